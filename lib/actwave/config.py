@@ -1,0 +1,104 @@
+"""Configs, artifact keys and atomic writes shared by every stage.
+
+Each stage has one typed dataclass config. Its artifact lives under
+``cache_dir()/<stage>/<name>-<hash>/`` where the hash is the sha256 of the sorted-JSON
+config plus ``CODE_VERSION`` (bump it when an artifact format or algorithm changes, so
+stale caches are never reused). Beside each artifact: ``config.json`` with the config,
+the seed, and package versions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# Bump when the meaning or layout of a cached artifact changes.
+CODE_VERSION = "1"
+
+
+def repo_root() -> Path:
+    """The checkout root (two levels above lib/actwave)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def cache_dir() -> Path:
+    """Root of all cached artifacts: $ACTWAVE_CACHE, else <repo>/.cache/actwave."""
+    root = os.environ.get("ACTWAVE_CACHE")
+    path = Path(root) if root else repo_root() / ".cache" / "actwave"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses, tuples and paths as plain JSON values."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {k: to_jsonable(v) for k, v in dataclasses.asdict(obj).items()}
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def config_hash(config: Any, length: int = 12) -> str:
+    """sha256 of the sorted-JSON config and CODE_VERSION, truncated."""
+    payload = json.dumps({"config": to_jsonable(config), "code": CODE_VERSION},
+                         sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()[:length]
+
+
+def artifact_dir(stage: str, config: Any, name: str = "run") -> Path:
+    """``cache_dir()/stage/name-hash`` for a config (created)."""
+    path = cache_dir() / stage / f"{name}-{config_hash(config)}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of the packages that decide the numbers, for provenance records."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = ["actwave", "torch", "transformers", "safetensors", "numpy", "datasets", "gguf"]
+    out = {"python": platform.python_version()}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def atomic_write_bytes(path: Path | str, data: bytes) -> None:
+    """Write to a temp file in the same folder, then rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path | str, obj: Any) -> None:
+    """Sorted, indented JSON written atomically (byte-stable for equal content)."""
+    text = json.dumps(to_jsonable(obj), sort_keys=True, indent=2) + "\n"
+    atomic_write_bytes(path, text.encode())
+
+
+def save_config(directory: Path | str, config: Any, **extra: Any) -> Path:
+    """``config.json`` beside an artifact: the config, its hash, versions and extras."""
+    record = {"config": to_jsonable(config), "config_hash": config_hash(config),
+              "code_version": CODE_VERSION, "versions": package_versions(), **extra}
+    path = Path(directory) / "config.json"
+    atomic_write_json(path, record)
+    return path
