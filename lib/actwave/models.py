@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -104,8 +106,8 @@ def _cached_bundled_dir(entry: BundledModel) -> Path:
                                                  dtype=torch.float32)
     if entry.chat_template is not None:
         tokenizer.chat_template = entry.chat_template
-    tmp = out.with_name(out.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{entry.name}.partial-"))
     # save_pretrained refuses GGUF-loaded models: write the state dict and config ourselves.
     save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     model.config.architectures = [type(model).__name__]  # GGUF configs leave it empty
@@ -113,10 +115,12 @@ def _cached_bundled_dir(entry: BundledModel) -> Path:
     tokenizer.save_pretrained(str(tmp))
     atomic_write_json(tmp / "actwave_model.json",
                       {"name": entry.name, "gguf": gguf_path.name, "versions": package_versions()})
-    if out.exists():
-        import shutil
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    if out.exists() and not (out / "actwave_model.json").exists():
+        shutil.rmtree(out)  # a copy from an older layout, never finished
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -157,14 +157,18 @@ def _check_manifest(manifest: dict, config: CaptureConfig, dataset_hash: str, pa
             " delete that folder to recapture")
 
 
-def run_capture(config: CaptureConfig, model=None, tokenizer=None,
-                progress: bool = True) -> "CaptureStore":
-    """Capture (or resume capturing) a split; returns the finished store."""
+def run_capture(config: CaptureConfig, model=None, tokenizer=None, progress: bool = True,
+                device: str = "cpu") -> "CaptureStore":
+    """Capture (or resume capturing) a split; returns the finished store.
+
+    Pass a loaded ``model``/``tokenizer`` to reuse them, else ``config.model`` is loaded
+    on ``device`` in ``config.dtype``.
+    """
     out = store_dir(config)
     if (out / "manifest.json").exists() and CaptureStore(out, require_complete=False).complete:
         return CaptureStore(out)
     if model is None:
-        model, tokenizer = load(config.model, dtype=DTYPES[config.dtype])
+        model, tokenizer = load(config.model, dtype=DTYPES[config.dtype], device=device)
     sequences, dataset_hash = tokenize_split(config, tokenizer)
     if not sequences:
         raise ValueError(f"split {config.split!r} gave no sequences of >= 2 tokens")

@@ -1,0 +1,151 @@
+"""Layer statistics of a capture store: token filtering, one streaming pass, cached result.
+
+Reads the hidden states a capture pass stored (``actwave.store.CaptureStore``), decides
+which tokens to keep from the per-token columns alone (a cheap pre-pass: predictive-entropy
+filter, special tokens, loss mask, optional seeded subsample), then makes one pass over the
+shards with ``metrics.StreamingLayerStats``. The result is cached under
+``cache_dir()/layer_stats/<name>-<hash>/``: ``stats.safetensors`` (tensors), ``stats.json``
+(the rest of ``LayerStats``) and ``config.json`` (config, filter counts, versions; written
+last, so its presence marks a complete artifact).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from actwave.config import artifact_dir, atomic_write_json, save_config, to_jsonable
+from actwave.metrics import LayerStats, StreamingLayerStats, token_filter
+
+log = logging.getLogger(__name__)
+FILTERS = ("none", "quantile", "threshold")
+
+
+@dataclass
+class AnalysisConfig:
+    """Which tokens enter the layer statistics.
+
+    ``filter``: 'none' | 'quantile' (keep predictive entropy ≥ the ``filter_value``-quantile
+    of the candidate tokens, e.g. 0.5 keeps the top half) | 'threshold' (keep entropy ≥
+    ``filter_value`` nats). Candidates exclude special tokens (``exclude_special``) and,
+    with ``only_loss_mask``, tokens outside assistant replies. ``max_tokens``: keep a
+    uniform random subset of that size (``seed``) of the filtered tokens.
+    """
+
+    filter: str = "none"
+    filter_value: float = 0.0
+    exclude_special: bool = True
+    only_loss_mask: bool = False
+    max_tokens: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.filter not in FILTERS:
+            raise ValueError(f"filter must be one of {FILTERS}, got {self.filter!r}")
+        if self.filter == "quantile" and not 0.0 <= self.filter_value < 1.0:
+            raise ValueError(f"quantile filter_value must be in [0, 1), got {self.filter_value}")
+        if self.max_tokens is not None and self.max_tokens < 4:
+            raise ValueError(f"max_tokens must be None or ≥ 4, got {self.max_tokens}")
+
+
+def token_keep_mask(store, config: AnalysisConfig) -> tuple[torch.Tensor, dict]:
+    """Keep mask ``(n_tokens,)`` over the whole store from its columns, and the counts.
+
+    ``filter_kept_fraction`` = tokens passing the entropy filter / candidate tokens; the
+    share of all stored tokens that was used is ``LayerStats.kept_fraction``.
+    """
+    entropy = store.column("entropy")
+    excluded = torch.zeros_like(entropy, dtype=torch.bool)
+    if config.exclude_special:
+        excluded |= store.column("special").to(torch.bool)
+    if config.only_loss_mask:
+        excluded |= ~store.column("loss_mask").to(torch.bool)
+    threshold = config.filter_value if config.filter == "threshold" else None
+    quantile = config.filter_value if config.filter == "quantile" else None
+    keep = token_filter(entropy, threshold=threshold, quantile=quantile, special=excluded)
+    counts = {"n_store_tokens": int(entropy.numel()), "n_candidates": int((~excluded).sum()),
+              "n_filter_kept": int(keep.sum())}
+    if config.max_tokens is not None and counts["n_filter_kept"] > config.max_tokens:
+        kept_ids = keep.nonzero().squeeze(1)  # (n_kept,)
+        generator = torch.Generator().manual_seed(config.seed)
+        chosen = kept_ids[torch.randperm(kept_ids.numel(), generator=generator)[:config.max_tokens]]
+        keep = torch.zeros_like(keep)
+        keep[chosen] = True
+    counts["n_used"] = int(keep.sum())
+    counts["filter_kept_fraction"] = counts["n_filter_kept"] / max(counts["n_candidates"], 1)
+    return keep, counts
+
+
+def _stream_store(store, keep: torch.Tensor, device, progress: bool) -> LayerStats:
+    stream = StreamingLayerStats(store.num_layers + 1, store.hidden_size, device)
+    offset = 0
+    shards = store.iter_shards(columns=())
+    for shard in tqdm(shards, total=len(store.manifest["shards"]), desc="layer stats",
+                      disable=not progress, mininterval=10):
+        n_shard = shard["hidden"].shape[1]
+        stream.update(shard["hidden"], keep[offset:offset + n_shard])
+        offset += n_shard
+    if offset != keep.numel():
+        raise ValueError(f"store shards hold {offset} tokens but its columns {keep.numel()}")
+    return stream.finalize()
+
+
+def _cache_key(store, config: AnalysisConfig) -> dict:
+    return {"capture": store.config_hash, "analysis": to_jsonable(config)}
+
+
+def save_layer_stats(directory: Path, stats: LayerStats, key: dict, **extra) -> None:
+    """Tensors to ``stats.safetensors``, the rest to ``stats.json``, then ``config.json``."""
+    record = stats.to_dict()
+    tensors = {k: v.detach().cpu().contiguous() for k, v in record.items()
+               if isinstance(v, torch.Tensor)}
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".stats.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, directory / "stats.safetensors")
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    atomic_write_json(directory / "stats.json",
+                      {k: v for k, v in record.items() if not isinstance(v, torch.Tensor)})
+    save_config(directory, key, **extra)
+
+
+def load_layer_stats(directory: Path, key: dict | None = None) -> LayerStats:
+    """Load a saved ``LayerStats``; refuse it if ``key`` differs from the recorded config."""
+    recorded = json.loads((directory / "config.json").read_text())
+    if key is not None and recorded["config"] != to_jsonable(key):
+        raise ValueError(f"cached layer stats at {directory} were made for {recorded['config']},"
+                         f" not {to_jsonable(key)}; delete that folder to recompute")
+    meta = json.loads((directory / "stats.json").read_text())
+    return LayerStats.from_dict({**meta, **load_file(directory / "stats.safetensors")})
+
+
+def compute_layer_stats(store, config: AnalysisConfig, device: str | torch.device = "cpu",
+                        progress: bool = True, name: str | None = None) -> LayerStats:
+    """``LayerStats`` over the store's tokens kept by ``config`` (all N+1 layers), cached.
+
+    The artifact is keyed by the capture's config hash and ``config``; a second call loads
+    it. ``name`` (default: the store folder's name) prefixes the artifact folder.
+    """
+    key = _cache_key(store, config)
+    directory = artifact_dir("layer_stats", key, name or Path(store.path).name)
+    if (directory / "config.json").exists():
+        log.info("layer stats: loading cache %s", directory)
+        return load_layer_stats(directory, key)
+    keep, counts = token_keep_mask(store, config)
+    log.info("layer stats: %d of %d tokens kept (%s)", counts["n_used"],
+             counts["n_store_tokens"], config.filter)
+    if counts["n_used"] < 4:
+        raise ValueError(f"only {counts['n_used']} tokens survive the filter {config}; need ≥ 4")
+    stats = _stream_store(store, keep, device, progress)
+    save_layer_stats(directory, stats, key, seed=config.seed, token_counts=counts)
+    return load_layer_stats(directory, key)

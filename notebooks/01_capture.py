@@ -1,0 +1,68 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 — Capture hidden states
+#
+# One pass of each target over ShareGPT stores, per token, all N+1 hidden states (ℓ = number
+# of decoder blocks applied; ℓ=N before the final norm), the target's predictive entropy and
+# argmax. Two disjoint splits: `analysis` (entropy/CKA statistics, notebooks 02–05) and
+# `train` (EAGLE-3 drafts, notebook 06). Every later notebook reads these stores; none
+# re-runs the target. Interrupted captures resume at the first missing shard.
+
+# %% tags=["parameters"]
+profile = "cpu"
+models = "smollm2-135m,gemma3-270m"
+seed = 0
+device = "cpu"
+capture_dtype = "float32"
+analysis_sequences = 96
+train_sequences = 192
+max_seq_len = 512
+capture_batch_size = 4
+
+# %%
+import logging
+
+import pandas as pd
+
+from actwave import models as model_zoo
+from actwave.config import repo_root
+from actwave.plots import save_table
+from actwave.store import DTYPES, CaptureConfig, run_capture
+
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+model_names = [m.strip() for m in models.split(",") if m.strip()]
+splits = {"analysis": analysis_sequences, "train": train_sequences}
+configs = {(m, split): CaptureConfig(model=m, split=split, n_sequences=n, max_seq_len=max_seq_len,
+                                     batch_size=capture_batch_size, dtype=capture_dtype, seed=seed)
+           for m in model_names for split, n in splits.items()}
+results_dir = repo_root() / "results" / profile
+
+# %%
+rows = []
+for name in model_names:
+    model, tokenizer = model_zoo.load(name, dtype=DTYPES[capture_dtype], device=device)
+    for split in splits:
+        store = run_capture(configs[name, split], model, tokenizer, device=device)
+        m = store.manifest
+        rows.append({"model": name, "split": split, "N": m["num_layers"], "d": m["hidden_size"],
+                     "sequences": m["n_sequences"], "tokens": m["n_tokens"],
+                     "assistant_tokens": int(store.column("loss_mask").sum()),
+                     "dataset_hash": m["dataset_hash"], "store": store.path.name})
+        logging.info("%s/%s: %d tokens in %.0f s", name, split, m["n_tokens"], m["seconds"])
+    del model
+
+# %%
+summary = pd.DataFrame(rows)
+save_table(summary, "01_capture", "01_capture", results_dir)
+summary

@@ -1,0 +1,124 @@
+"""actwave.analysis on a tiny synthetic capture store written in the real shard format."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from actwave import metrics as M
+from actwave.analysis import AnalysisConfig, compute_layer_stats, load_layer_stats
+from actwave.store import CaptureStore
+
+N_LAYERS, DIM, SHARD_SIZES = 3, 8, (50, 70, 40)
+
+
+def write_store(path, seed: int = 0) -> dict:
+    """Shards + manifest as actwave.store writes them; returns the concatenated columns."""
+    g = torch.Generator().manual_seed(seed)
+    path.mkdir(parents=True)
+    shards, parts = [], []
+    for index, n in enumerate(SHARD_SIZES):
+        base = torch.randn(n, DIM, generator=g)
+        hidden = torch.stack([base * (layer + 1) + torch.randn(n, DIM, generator=g) * layer + 50
+                              for layer in range(N_LAYERS + 1)]).to(torch.bfloat16)  # (N+1, n, D)
+        columns = {"hidden": hidden, "input_ids": torch.randint(0, 100, (n,), generator=g),
+                   "entropy": torch.rand(n, generator=g) * 5,
+                   "argmax": torch.randint(0, 100, (n,), generator=g),
+                   "loss_mask": torch.rand(n, generator=g) < 0.7,
+                   "special": torch.rand(n, generator=g) < 0.1,
+                   "seq_index": torch.full((n,), index), "position": torch.arange(n)}
+        name = f"shard-{index:05d}.safetensors"
+        save_file(columns, str(path / name))
+        shards.append({"file": name, "n_tokens": n})
+        parts.append(columns)
+    manifest = {"num_layers": N_LAYERS, "hidden_size": DIM, "n_tokens": sum(SHARD_SIZES),
+                "storage_dtype": "bfloat16", "complete": True, "config_hash": f"fake{seed}",
+                "shards": shards}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return {k: torch.cat([p[k] for p in parts], dim=1 if k == "hidden" else 0) for k in parts[0]}
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
+    columns = write_store(tmp_path / "store")
+    return CaptureStore(tmp_path / "store"), columns
+
+
+def expected_keep(columns: dict, quantile: float) -> torch.Tensor:
+    """Independent reference of the filter: candidates, then ⌈q(m−1)⌉-th order statistic."""
+    candidates = ~columns["special"] & columns["loss_mask"]
+    ordered = sorted(columns["entropy"][candidates].tolist())
+    threshold = ordered[math.ceil(quantile * (len(ordered) - 1))]
+    return candidates & (columns["entropy"] >= threshold)
+
+
+def test_compute_layer_stats_equals_one_shot_on_kept_tokens(store):
+    capture, columns = store
+    config = AnalysisConfig(filter="quantile", filter_value=0.5, only_loss_mask=True)
+    stats = compute_layer_stats(capture, config, progress=False)
+    keep = expected_keep(columns, 0.5)
+    kept = columns["hidden"][:, keep].to(torch.float64)  # (N+1, n_kept, D)
+    assert stats.n_tokens == int(keep.sum()) and stats.n_seen == sum(SHARD_SIZES)
+    assert stats.layers == tuple(range(N_LAYERS + 1))
+    for a in range(N_LAYERS + 1):
+        assert float(stats.entropy[a]) == pytest.approx(float(M.matrix_entropy(kept[a])), abs=1e-9)
+        for b in range(N_LAYERS + 1):
+            assert float(stats.cka[a, b]) == pytest.approx(
+                float(M.linear_cka(kept[a], kept[b], debiased=True)), abs=1e-9)
+            assert float(stats.cka_biased[a, b]) == pytest.approx(
+                float(M.linear_cka(kept[a], kept[b])), abs=1e-9)
+    parts = [(kept[i] - kept[i].mean(0)) / (kept[i] - kept[i].mean(0)).norm() for i in (0, 3)]
+    assert M.aggregate_entropy(stats, [0, 3]) == pytest.approx(
+        float(M.matrix_entropy(torch.cat(parts, dim=1))), abs=1e-8)
+
+
+def test_cache_hit_returns_equal_stats_without_reading_shards(store, monkeypatch):
+    capture, _ = store
+    config = AnalysisConfig(filter="threshold", filter_value=2.0)
+    first = compute_layer_stats(capture, config, progress=False)
+    monkeypatch.setattr(capture, "iter_shards", lambda *a, **k: pytest.fail("cache was not used"))
+    second = compute_layer_stats(capture, config, progress=False)
+    for name in ("entropy", "renyi2", "cka", "cka_biased"):
+        assert torch.equal(getattr(first, name), getattr(second, name))
+    assert first.cov.keys() == second.cov.keys()
+    assert torch.equal(first.cov[(1, 2)], second.cov[(1, 2)])
+
+
+def test_recorded_counts_and_refused_mismatching_cache(store):
+    capture, columns = store
+    config = AnalysisConfig(filter="quantile", filter_value=0.5)
+    stats = compute_layer_stats(capture, config, progress=False, name="probe")
+    folder = next((capture.path.parent / "cache" / "layer_stats").glob("probe-*"))
+    record = json.loads((folder / "config.json").read_text())
+    counts = record["token_counts"]
+    assert counts["n_candidates"] == int((~columns["special"]).sum())
+    assert counts["n_used"] == stats.n_tokens == counts["n_filter_kept"]
+    assert counts["filter_kept_fraction"] == pytest.approx(stats.n_tokens / counts["n_candidates"])
+    record["config"]["analysis"]["filter_value"] = 0.8
+    (folder / "config.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="were made for"):
+        compute_layer_stats(capture, config, progress=False, name="probe")
+    assert load_layer_stats(folder).n_tokens == stats.n_tokens  # loads when no key is given
+
+
+def test_max_tokens_subsample_is_seeded(store):
+    capture, _ = store
+    first = compute_layer_stats(capture, AnalysisConfig(max_tokens=60, seed=1), progress=False)
+    other = compute_layer_stats(capture, AnalysisConfig(max_tokens=60, seed=2), progress=False)
+    assert first.n_tokens == other.n_tokens == 60
+    assert not torch.equal(first.entropy, other.entropy)
+
+
+def test_config_errors(store):
+    with pytest.raises(ValueError, match="filter must be one of"):
+        AnalysisConfig(filter="top")
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        AnalysisConfig(filter="quantile", filter_value=1.5)
+    capture, _ = store
+    with pytest.raises(ValueError, match="survive the filter"):
+        compute_layer_stats(capture, AnalysisConfig(filter="threshold", filter_value=99.0),
+                            progress=False)
