@@ -22,10 +22,12 @@
 # %% tags=["parameters"]
 profile = "cpu"
 models = "smollm2-135m,gemma3-270m"
+train_models = "smollm2-135m"      # models whose drafts are trained (notebook 06)
 seed = 0
 device = "cpu"
-capture_dtype = "float32"
-analysis_sequences = 96
+capture_dtype = "float32"          # analysis split: statistics in full precision
+train_capture_dtype = "bfloat16"   # train split: draft inputs (stored in bf16 either way)
+analysis_sequences = 64
 train_sequences = 192
 max_seq_len = 512
 capture_batch_size = 4
@@ -42,25 +44,27 @@ from actwave.store import DTYPES, CaptureConfig, run_capture
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 model_names = [m.strip() for m in models.split(",") if m.strip()]
-splits = {"analysis": analysis_sequences, "train": train_sequences}
-configs = {(m, split): CaptureConfig(model=m, split=split, n_sequences=n, max_seq_len=max_seq_len,
-                                     batch_size=capture_batch_size, dtype=capture_dtype, seed=seed)
-           for m in model_names for split, n in splits.items()}
+trained = {m.strip() for m in train_models.split(",") if m.strip()}
+sizes = {"analysis": analysis_sequences, "train": train_sequences}
+dtypes = {"analysis": capture_dtype, "train": train_capture_dtype}
+splits = {m: ["analysis", "train"] if m in trained else ["analysis"] for m in model_names}
+configs = {(m, split): CaptureConfig(model=m, split=split, n_sequences=sizes[split],
+                                     max_seq_len=max_seq_len, batch_size=capture_batch_size,
+                                     dtype=dtypes[split], seed=seed)
+           for split in sizes for m in model_names if split in splits[m]}
 results_dir = repo_root() / "results" / profile
 
 # %%
 rows = []
-for name in model_names:
-    model, tokenizer = model_zoo.load(name, dtype=DTYPES[capture_dtype], device=device)
-    for split in splits:
-        store = run_capture(configs[name, split], model, tokenizer, device=device)
-        m = store.manifest
-        rows.append({"model": name, "split": split, "N": m["num_layers"], "d": m["hidden_size"],
-                     "sequences": m["n_sequences"], "tokens": m["n_tokens"],
-                     "assistant_tokens": int(store.column("loss_mask").sum()),
-                     "dataset_hash": m["dataset_hash"], "store": store.path.name})
-        logging.info("%s/%s: %d tokens in %.0f s", name, split, m["n_tokens"], m["seconds"])
-    del model
+for name, split in configs:  # every analysis split first: notebooks 02-05 need only those
+    model, tokenizer = model_zoo.load(name, dtype=DTYPES[dtypes[split]], device=device)
+    store = run_capture(configs[name, split], model, tokenizer, device=device)
+    m = store.manifest
+    rows.append({"model": name, "split": split, "N": m["num_layers"], "d": m["hidden_size"],
+                 "sequences": m["n_sequences"], "tokens": m["n_tokens"],
+                 "assistant_tokens": int(store.column("loss_mask").sum()),
+                 "dataset_hash": m["dataset_hash"], "store": store.path.name})
+    logging.info("%s/%s: %d tokens in %.0f s", name, split, m["n_tokens"], m["seconds"])
 
 # %%
 summary = pd.DataFrame(rows)
