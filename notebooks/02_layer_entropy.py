@@ -1,0 +1,134 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · Matrix entropy across depth (the "activation wave")
+#
+# Per-layer matrix entropy of the hidden states notebook 01 captured, for every layer
+# ℓ = 0..N (ℓ = blocks applied; ℓ = N is the last block's output before the final norm).
+# Entropy in nats of the token-centred covariance spectrum: Shannon H₁ and Rényi-2 H₂.
+# Token sets compared:
+#
+# * **all tokens** — every token except special/template tokens;
+# * **top-entropy tokens** — tokens whose predictive entropy (from the target's own logits)
+#   is above the `filter_quantile` quantile: the hard tokens that decide acceptance;
+# * **all + special** — special tokens kept, to show once how a few massive-activation
+#   tokens (BOS, template markers) distort the statistics.
+#
+# The EAGLE-3 default layers (2, N//2, N−3) are marked.
+
+# %% tags=["parameters"]
+profile = "cpu"
+models = "smollm2-135m,gemma3-270m"
+seed = 0
+device = "cpu"
+capture_dtype = "float32"  # capture keys as in notebook 01 (they locate its store)
+analysis_sequences = 64
+max_seq_len = 512
+capture_batch_size = 4
+filter_quantile = 0.5
+max_tokens = 0  # 0 = use every kept token
+
+# %%
+import logging
+
+import pandas as pd
+
+from actwave import analysis, plots, selection, store
+from actwave.config import repo_root
+
+logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+logging.getLogger("actwave").setLevel(logging.INFO)
+NOTEBOOK = "02_layer_entropy"
+model_names = [name.strip() for name in models.split(",") if name.strip()]
+captures = {name: store.CaptureConfig(
+    model=name, split="analysis", n_sequences=analysis_sequences, max_seq_len=max_seq_len,
+    batch_size=capture_batch_size, dtype=capture_dtype, seed=seed) for name in model_names}
+common = {"max_tokens": max_tokens or None, "seed": seed}
+settings = {
+    "all tokens": analysis.AnalysisConfig(filter="none", **common),
+    f"top {1 - filter_quantile:.0%} entropy": analysis.AnalysisConfig(
+        filter="quantile", filter_value=filter_quantile, **common),
+    "all + special": analysis.AnalysisConfig(filter="none", exclude_special=False, **common),
+}
+results_dir = repo_root() / "results" / profile
+plots.setup_style()
+captures, settings
+
+# %% [markdown]
+# ## Layer statistics
+# Cached by `actwave.analysis` (keyed by the capture and the token filter); the covariance
+# blocks are dropped here, this notebook needs only the per-layer numbers.
+
+# %%
+stats = {(name, label): analysis.compute_layer_stats(
+             store.open_store(captures[name]), config, device=device).without_cov()
+         for name in model_names for label, config in settings.items()}
+num_layers = {name: max(stats[(name, "all tokens")].layers) for name in model_names}
+default_layers = {name: selection.eagle3_default(n) for name, n in num_layers.items()}
+default_layers
+
+# %%
+per_layer = pd.concat([plots.layer_table(s, model=name, setting=label)
+                       for (name, label), s in stats.items()], ignore_index=True)
+per_layer["depth"] = per_layer["layer"] / per_layer["model"].map(num_layers)
+plots.save_table(per_layer, "02_layer_entropy", NOTEBOOK, results_dir,
+                 sort_by=["model", "setting", "layer"])
+kept = pd.DataFrame([{"model": name, "setting": label, "n_tokens": s.n_tokens,
+                      "n_seen": s.n_seen, "kept_fraction": s.kept_fraction}
+                     for (name, label), s in stats.items()])
+plots.save_table(kept, "02_kept_fraction", NOTEBOOK, results_dir, sort_by=["model", "setting"])
+kept
+
+# %% [markdown]
+# ## Entropy across depth, per model (Shannon and Rényi-2, three token sets)
+
+# %%
+for name in model_names:
+    curves = per_layer[per_layer["model"] == name].rename(
+        columns={"entropy": "Shannon H₁", "renyi2": "Rényi-2 H₂"}).melt(
+        id_vars=["layer", "setting"], value_vars=["Shannon H₁", "Rényi-2 H₂"],
+        var_name="measure", value_name="nats")
+    fig = plots.plot_layer_curves(curves, y="nats", hue="setting", col="measure",
+                                  marked_layers=default_layers[name], sharey=True,
+                                  ylabel="matrix entropy (nats)", title=name)
+    saved = plots.save_figure(fig, f"02_entropy_depth_{name}", NOTEBOOK)
+
+# %% [markdown]
+# ## All models on one relative-depth axis (normalised entropy H₁ / log min(n, d))
+
+# %%
+fig = plots.plot_layer_curves(per_layer[per_layer["setting"] != "all + special"],
+                              x="depth", y="entropy_norm", hue="model", style="setting",
+                              ylabel="normalised entropy", title="entropy across depth")
+fig.axes[0].set_xlabel("relative depth ℓ / N")
+saved = plots.save_figure(fig, "02_entropy_depth_all", NOTEBOOK)
+
+# %% [markdown]
+# ## Where the wave peaks, and what special tokens do
+# Layer of maximal and minimal entropy per model and token set (candidates ℓ ≥ 1), and
+# the largest per-layer change when special tokens are kept.
+
+# %%
+candidates = per_layer[per_layer["layer"] >= 1]
+peaks = candidates.loc[candidates.groupby(["model", "setting"])["entropy"].idxmax(),
+                       ["model", "setting", "layer", "entropy"]]
+troughs = candidates.loc[candidates.groupby(["model", "setting"])["entropy"].idxmin(),
+                         ["model", "setting", "layer", "entropy"]]
+extremes = peaks.merge(troughs, on=["model", "setting"], suffixes=("_max", "_min"))
+plots.save_table(extremes, "02_entropy_extremes", NOTEBOOK, results_dir,
+                 sort_by=["model", "setting"])
+wide = per_layer.pivot_table(index=["model", "layer"], columns="setting", values="entropy")
+special_shift = (wide["all + special"] - wide["all tokens"]).groupby("model").agg(["min", "max"])
+print(extremes.to_string(index=False))
+print("\nShannon entropy change when special tokens are kept (nats):")
+print(special_shift.to_string())

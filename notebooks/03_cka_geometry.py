@@ -1,0 +1,117 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · Geometry across depth: linear CKA between layers
+#
+# L×L linear CKA (Kornblith et al. 2019) between the hidden states of every pair of
+# layers ℓ = 0..N, biased and debiased (Székely–Rizzo U-statistic). Biased CKA has a
+# positive floor at small token counts, which filtering makes smaller still, so the
+# debiased matrix is the one used for selection. *Compartments* — contiguous blocks of
+# mutually similar layers, found by maximising modularity over contiguous segmentations
+# (`actwave.metrics.compartments`) — are drawn as boxes; the EAGLE-3 default layers are
+# marked in green. Special tokens are excluded unless the setting says otherwise.
+
+# %% tags=["parameters"]
+profile = "cpu"
+models = "smollm2-135m,gemma3-270m"
+seed = 0
+device = "cpu"
+capture_dtype = "float32"  # capture keys as in notebook 01 (they locate its store)
+analysis_sequences = 64
+max_seq_len = 512
+capture_batch_size = 4
+filter_quantile = 0.5
+max_tokens = 0  # 0 = use every kept token
+compartment_resolution = 1.0
+
+# %%
+import logging
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from actwave import analysis, plots, selection, store
+from actwave.config import repo_root
+
+logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+logging.getLogger("actwave").setLevel(logging.INFO)
+NOTEBOOK = "03_cka_geometry"
+model_names = [name.strip() for name in models.split(",") if name.strip()]
+captures = {name: store.CaptureConfig(
+    model=name, split="analysis", n_sequences=analysis_sequences, max_seq_len=max_seq_len,
+    batch_size=capture_batch_size, dtype=capture_dtype, seed=seed) for name in model_names}
+common = {"max_tokens": max_tokens or None, "seed": seed}
+settings = {
+    "all tokens": analysis.AnalysisConfig(filter="none", **common),
+    f"top {1 - filter_quantile:.0%} entropy": analysis.AnalysisConfig(
+        filter="quantile", filter_value=filter_quantile, **common),
+    "all + special": analysis.AnalysisConfig(filter="none", exclude_special=False, **common),
+}
+cka_kinds = {"debiased": True, "biased": False}
+results_dir = repo_root() / "results" / profile
+plots.setup_style()
+captures, settings
+
+# %% [markdown]
+# ## Layer statistics (cached by notebook 02's calls; covariance blocks dropped)
+
+# %%
+stats = {(name, label): analysis.compute_layer_stats(
+             store.open_store(captures[name]), config, device=device).without_cov()
+         for name in model_names for label, config in settings.items()}
+default_layers = {name: selection.eagle3_default(max(stats[(name, "all tokens")].layers))
+                  for name in model_names}
+blocks = {(name, label, kind): selection.compartment_layers(
+              s, debiased=debiased, resolution=compartment_resolution)
+          for (name, label), s in stats.items() for kind, debiased in cka_kinds.items()}
+
+# %% [markdown]
+# ## CKA heatmaps: rows = token sets, columns = debiased / biased
+
+# %%
+for name in model_names:
+    fig, axes = plt.subplots(len(settings), len(cka_kinds), squeeze=False,
+                             figsize=(4.6 * len(cka_kinds), 4.0 * len(settings)))
+    for row, label in enumerate(settings):
+        s = stats[(name, label)]
+        for col, (kind, debiased) in enumerate(cka_kinds.items()):
+            plots.plot_cka_heatmap(s.cka if debiased else s.cka_biased, layers=s.layers,
+                                   compartments=blocks[(name, label, kind)],
+                                   marked_layers=default_layers[name],
+                                   title=f"{label} · {kind} (n={s.n_tokens})",
+                                   ax=axes[row][col])
+    fig.suptitle(f"{name}: linear CKA between layers")
+    fig.tight_layout()
+    saved = plots.save_figure(fig, f"03_cka_{name}", NOTEBOOK)
+
+# %% [markdown]
+# ## Compartments, and the biased-CKA floor
+# `floor` = mean off-diagonal biased − debiased CKA: the positive bias of the plug-in
+# estimator at this token count.
+
+# %%
+compartment_rows = pd.DataFrame([
+    {"model": name, "setting": label, "cka": kind, "block": i, "first": first, "last": last,
+     "eagle3_default_layers": sum(first <= v <= last for v in default_layers[name])}
+    for (name, label, kind), found in blocks.items() for i, (first, last) in enumerate(found)])
+plots.save_table(compartment_rows, "03_compartments", NOTEBOOK, results_dir,
+                 sort_by=["model", "setting", "cka", "block"])
+floor = pd.DataFrame([
+    {"model": name, "setting": label, "n_tokens": s.n_tokens,
+     "mean_offdiag_debiased": float(selection.off_diagonal_mean(s.cka)),
+     "mean_offdiag_biased": float(selection.off_diagonal_mean(s.cka_biased))}
+    for (name, label), s in stats.items()])
+floor["floor"] = floor["mean_offdiag_biased"] - floor["mean_offdiag_debiased"]
+plots.save_table(floor, "03_cka_floor", NOTEBOOK, results_dir, sort_by=["model", "setting"])
+print(compartment_rows[compartment_rows["cka"] == "debiased"].to_string(index=False))
+floor

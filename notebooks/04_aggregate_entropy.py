@@ -1,0 +1,154 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · Aggregate entropy of concatenated layers
+#
+# An EAGLE-3 draft reads the concatenation [h_a; h_b; h_c] of k target layers. Its matrix
+# entropy — each layer centred and scaled to unit trace first, so no layer wins by scale —
+# measures how much the set carries jointly: high when the layers are individually rich
+# *and* not redundant. For Rényi-2 it has an exact closed form in per-layer entropies and
+# (biased) CKA, exp(−H₂(S)) = k⁻²[Σ_a P_a + 2Σ_{a<b} CKA_ab √(P_a P_b)], P_a = exp(−H₂(a)),
+# so every pair and every triple of candidate layers (ℓ = 1..N; the embedding ℓ = 0 is the
+# draft's own input) is scored exactly. Shannon H₁ needs a (k·d)² eigendecomposition per
+# set, so it is computed for the `n_shannon` best triples by H₂ and the EAGLE-3 default,
+# to check that the two orders agree.
+
+# %% tags=["parameters"]
+profile = "cpu"
+models = "smollm2-135m,gemma3-270m"
+seed = 0
+device = "cpu"
+capture_dtype = "float32"  # capture keys as in notebook 01 (they locate its store)
+analysis_sequences = 64
+max_seq_len = 512
+capture_batch_size = 4
+filter_quantile = 0.5
+max_tokens = 0  # 0 = use every kept token
+k = 3
+n_shannon = 10  # top triples by H₂ whose Shannon aggregate entropy is computed
+
+# %%
+import itertools
+import logging
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from actwave import analysis, plots, selection, store
+from actwave.config import repo_root
+
+logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+logging.getLogger("actwave").setLevel(logging.INFO)
+NOTEBOOK = "04_aggregate_entropy"
+model_names = [name.strip() for name in models.split(",") if name.strip()]
+captures = {name: store.CaptureConfig(
+    model=name, split="analysis", n_sequences=analysis_sequences, max_seq_len=max_seq_len,
+    batch_size=capture_batch_size, dtype=capture_dtype, seed=seed) for name in model_names}
+common = {"max_tokens": max_tokens or None, "seed": seed}
+settings = {
+    "all tokens": analysis.AnalysisConfig(filter="none", **common),
+    f"top {1 - filter_quantile:.0%} entropy": analysis.AnalysisConfig(
+        filter="quantile", filter_value=filter_quantile, **common),
+}
+keys = [(name, label) for name in model_names for label in settings]
+results_dir = repo_root() / "results" / profile
+plots.setup_style()
+captures, settings
+
+# %% [markdown]
+# ## Layer statistics (cached; covariance blocks are reloaded only for the Shannon step)
+
+# %%
+stores = {name: store.open_store(config) for name, config in captures.items()}
+stats = {(name, label): analysis.compute_layer_stats(
+             stores[name], settings[label], device=device).without_cov() for name, label in keys}
+candidates = {key: selection.default_candidates(s.layers) for key, s in stats.items()}
+num_layers = {name: max(stats[(name, "all tokens")].layers) for name in model_names}
+reference_sets = {name: {"EAGLE-3 default": selection.eagle3_default(n),
+                         "evenly spaced": selection.evenly_spaced(n, k),
+                         "last k": selection.last_k(n, k),
+                         "first k": selection.first_k(n, k)}
+                  for name, n in num_layers.items()}
+reference_sets
+
+# %% [markdown]
+# ## All pairs: Rényi-2 aggregate entropy (boxes: pairs inside the EAGLE-3 default)
+
+# %%
+pair_matrices = {key: selection.pairwise_scores(selection.renyi2_score(s), candidates[key])
+                 for key, s in stats.items()}
+for name in model_names:
+    fig, axes = plt.subplots(1, len(settings), figsize=(4.8 * len(settings), 4.2), squeeze=False)
+    default_pairs = list(itertools.combinations(reference_sets[name]["EAGLE-3 default"], 2))
+    for ax, label in zip(axes[0], settings):
+        plots.plot_pair_heatmap(pair_matrices[(name, label)], layers=candidates[(name, label)],
+                                marked_pairs=default_pairs, title=f"{name} · {label}",
+                                cbar_label="H₂ of [h_i; h_j] (nats)", ax=ax)
+    fig.tight_layout()
+    saved = plots.save_figure(fig, f"04_pairs_{name}", NOTEBOOK)
+
+# %% [markdown]
+# ## All triples: distribution of H₂, reference sets marked (legend: percentile)
+
+# %%
+triples = {key: selection.exhaustive(selection.renyi2_score(s), candidates[key], k)
+           for key, s in stats.items()}
+for name in model_names:
+    fig, axes = plt.subplots(1, len(settings), figsize=(6.2 * len(settings), 3.4), squeeze=False)
+    for ax, label in zip(axes[0], settings):
+        best, subsets, scores = triples[(name, label)]
+        marks = {f"best {best}": selection.score_of(best, subsets, scores)}
+        marks.update({f"{ref} {layers}": selection.score_of(layers, subsets, scores)
+                      for ref, layers in reference_sets[name].items()})
+        plots.plot_subset_distribution(scores, marks, title=f"{name} · {label}", ax=ax,
+                                       xlabel=f"H₂ of {k} concatenated layers (nats), "
+                                              f"{len(scores)} subsets")
+    fig.tight_layout()
+    saved = plots.save_figure(fig, f"04_triples_{name}", NOTEBOOK)
+
+# %%
+summary = pd.DataFrame([
+    {"model": name, "setting": label, "n_subsets": len(scores), "best": best,
+     "best_renyi2": float(scores.max()), "median_renyi2": float(scores.median()),
+     "worst_renyi2": float(scores.min()),
+     **{f"{ref}_renyi2": selection.score_of(layers, subsets, scores)
+        for ref, layers in reference_sets[name].items()},
+     **{f"{ref}_pct": selection.percentile(selection.score_of(layers, subsets, scores), scores)
+        for ref, layers in reference_sets[name].items()}}
+    for (name, label), (best, subsets, scores) in triples.items()])
+plots.save_table(summary, "04_triples_summary", NOTEBOOK, results_dir, sort_by=["model", "setting"])
+summary.T
+
+# %% [markdown]
+# ## Shannon H₁ of the top triples by H₂ (plus the default): do the two orders agree?
+# One eigendecomposition of a (k·d)² covariance per set, from the stored blocks.
+
+# %%
+top_sets = {key: selection.top_subsets(subsets, scores, n_shannon,
+                                       include=[reference_sets[key[0]]["EAGLE-3 default"]])
+            for key, (_, subsets, scores) in triples.items()}
+shannon = {(name, label): selection.aggregate_score(analysis.compute_layer_stats(
+               stores[name], settings[label], device=device), alpha=1.0)(top_sets[(name, label)])
+           for name, label in keys}
+top_table = pd.DataFrame([
+    {"model": name, "setting": label, "rank_renyi2": rank + 1, "layers": tuple(row),
+     "renyi2": selection.score_of(row, *triples[(name, label)][1:]),
+     "shannon": float(value),
+     "is_default": tuple(row) == reference_sets[name]["EAGLE-3 default"]}
+    for (name, label), sets in top_sets.items()
+    for rank, (row, value) in enumerate(zip(sets.tolist(), shannon[(name, label)]))])
+plots.save_table(top_table, "04_shannon_top", NOTEBOOK, results_dir,
+                 sort_by=["model", "setting", "rank_renyi2"])
+agreement = top_table.groupby(["model", "setting"])[["renyi2", "shannon"]].corr(
+    method="spearman").xs("renyi2", level=2)["shannon"].rename("spearman_renyi2_shannon")
+agreement
