@@ -27,6 +27,8 @@ seed = 0
 device = "cpu"
 capture_dtype = "float32"          # analysis split: statistics in full precision
 train_capture_dtype = "bfloat16"   # train split: draft inputs (stored in bf16 either way)
+train_source = "regenerated"       # train replies: 'regenerated' by the target (EAGLE-3) | 'sharegpt'
+regen_new_tokens = 256             # reply budget when regenerating
 analysis_sequences = 64
 train_sequences = 192
 max_seq_len = 512
@@ -47,10 +49,12 @@ model_names = [m.strip() for m in models.split(",") if m.strip()]
 trained = {m.strip() for m in train_models.split(",") if m.strip()}
 sizes = {"analysis": analysis_sequences, "train": train_sequences}
 dtypes = {"analysis": capture_dtype, "train": train_capture_dtype}
+sources = {"analysis": "sharegpt", "train": train_source}
 splits = {m: ["analysis", "train"] if m in trained else ["analysis"] for m in model_names}
 configs = {(m, split): CaptureConfig(model=m, split=split, n_sequences=sizes[split],
                                      max_seq_len=max_seq_len, batch_size=capture_batch_size,
-                                     dtype=dtypes[split], seed=seed)
+                                     dtype=dtypes[split], source=sources[split],
+                                     regen_new_tokens=regen_new_tokens, seed=seed)
            for split in sizes for m in model_names if split in splits[m]}
 results_dir = repo_root() / "results" / profile
 
@@ -61,7 +65,7 @@ for name, split in configs:  # every analysis split first: notebooks 02-05 need 
     store = run_capture(configs[name, split], model, tokenizer, device=device)
     m = store.manifest
     rows.append({"model": name, "split": split, "N": m["num_layers"], "d": m["hidden_size"],
-                 "sequences": m["n_sequences"], "tokens": m["n_tokens"],
+                 "source": sources[split], "sequences": m["n_sequences"], "tokens": m["n_tokens"],
                  "assistant_tokens": int(store.column("loss_mask").sum()),
                  "dataset_hash": m["dataset_hash"], "store": store.path.name})
     logging.info("%s/%s: %d tokens in %.0f s", name, split, m["n_tokens"], m["seconds"])

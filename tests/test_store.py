@@ -98,3 +98,26 @@ def test_bad_config_values():
         store.CaptureConfig(dtype="float8")
     with pytest.raises(ValueError, match="n_sequences must be >= 1"):
         store.CaptureConfig(n_sequences=0)
+
+
+def test_regenerated_source_stores_the_targets_own_replies(tiny_target, tokenizer):
+    config = _fresh(_config(seed=106, n_sequences=3, max_seq_len=64, source="regenerated",
+                            regen_new_tokens=8, sequences_per_shard=3))
+    s = store.run_capture(config, tiny_target, tokenizer, progress=False)
+    ids, mask, argmax = s.column("input_ids"), s.column("loss_mask"), s.column("argmax")
+    seq = s.column("seq_index")
+    for index in range(s.manifest["n_sequences"]):
+        reply = (seq == index) & mask
+        # Drop the template's closing "<|im_end|>\n" (2 tokens in SmolLM2's template).
+        generated = reply.nonzero().flatten()[:-2]
+        assert len(generated) >= 2
+        # Greedy replies: every generated token is the target's argmax at the previous
+        # position, including the first (predicted from the generation prompt).
+        assert torch.equal(ids[generated], argmax[generated - 1])
+
+
+def test_source_values_are_checked():
+    with pytest.raises(ValueError, match="source='web'"):
+        store.CaptureConfig(source="web")
+    with pytest.raises(ValueError, match="regen_new_tokens=600"):
+        store.CaptureConfig(source="regenerated", max_seq_len=512, regen_new_tokens=600)

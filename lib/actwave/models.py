@@ -8,6 +8,7 @@ Never ``trust_remote_code``, never unpickle: weights come only from safetensors 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -77,6 +78,7 @@ REGISTRY: dict[str, BundledModel] = {
                                 eos_tokens=("<end_of_turn>",)),
 }
 DEFAULT_MODEL = "smollm2-135m"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _looks_like_path_or_id(name: str) -> bool:
@@ -94,10 +96,19 @@ def resolve(name_or_path: str) -> str:
         f"{sorted(REGISTRY)}, a local model folder, or a Hugging Face id like 'org/name'")
 
 
+# Bump when the layout of a cached dequantised model changes (older copies are rebuilt).
+MODEL_CACHE_FORMAT = 2
+
+
+def _cache_is_current(folder: Path) -> bool:
+    marker = folder / "actwave_model.json"
+    return marker.exists() and json.loads(marker.read_text()).get("format") == MODEL_CACHE_FORMAT
+
+
 def _cached_bundled_dir(entry: BundledModel) -> Path:
     """Dequantise the GGUF once and keep safetensors + config + tokenizer files."""
     out = cache_dir() / "models" / entry.name
-    if (out / "actwave_model.json").exists():
+    if _cache_is_current(out):
         return out
     gguf_path = entry.locate()
     log.info("dequantising %s (one-off, 20-80 s)", gguf_path.name)
@@ -111,12 +122,18 @@ def _cached_bundled_dir(entry: BundledModel) -> Path:
     # save_pretrained refuses GGUF-loaded models: write the state dict and config ourselves.
     save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     model.config.architectures = [type(model).__name__]  # GGUF configs leave it empty
+    # The weights are now dense floats: drop the GGUF quantisation record, or transformers
+    # treats the saved model as still quantised.
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.config.to_json_file(str(tmp / "config.json"))
     tokenizer.save_pretrained(str(tmp))
     atomic_write_json(tmp / "actwave_model.json",
-                      {"name": entry.name, "gguf": gguf_path.name, "versions": package_versions()})
-    if out.exists() and not (out / "actwave_model.json").exists():
-        shutil.rmtree(out)  # a copy from an older layout, never finished
+                      {"name": entry.name, "gguf": gguf_path.name, "format": MODEL_CACHE_FORMAT,
+                       "versions": package_versions()})
+    if out.exists() and not _cache_is_current(out):
+        shutil.rmtree(out)  # unfinished, or from an older layout
     try:
         os.replace(tmp, out)
     except OSError:  # another process finished first: keep its copy
