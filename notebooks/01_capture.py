@@ -51,10 +51,13 @@ sizes = {"analysis": analysis_sequences, "train": train_sequences}
 dtypes = {"analysis": capture_dtype, "train": train_capture_dtype}
 sources = {"analysis": "sharegpt", "train": train_source}
 splits = {m: ["analysis", "train"] if m in trained else ["analysis"] for m in model_names}
+# regen_new_tokens only where replies are regenerated: the analysis keys stay the defaults
+# that notebooks 02-05 rebuild.
+regen = {"analysis": {}, "train": {"regen_new_tokens": regen_new_tokens} if train_source == "regenerated" else {}}
 configs = {(m, split): CaptureConfig(model=m, split=split, n_sequences=sizes[split],
                                      max_seq_len=max_seq_len, batch_size=capture_batch_size,
-                                     dtype=dtypes[split], source=sources[split],
-                                     regen_new_tokens=regen_new_tokens, seed=seed)
+                                     dtype=dtypes[split], source=sources[split], seed=seed,
+                                     **regen[split])
            for split in sizes for m in model_names if split in splits[m]}
 results_dir = repo_root() / "results" / profile
 

@@ -53,13 +53,8 @@ model_names = [name.strip() for name in models.split(",") if name.strip()]
 captures = {name: store.CaptureConfig(
     model=name, split="analysis", n_sequences=analysis_sequences, max_seq_len=max_seq_len,
     batch_size=capture_batch_size, dtype=capture_dtype, seed=seed) for name in model_names}
-common = {"max_tokens": max_tokens or None, "seed": seed}
-settings = {
-    "all tokens": analysis.AnalysisConfig(filter="none", **common),
-    f"top {1 - filter_quantile:.0%} entropy": analysis.AnalysisConfig(
-        filter="quantile", filter_value=filter_quantile, **common),
-    "all + special": analysis.AnalysisConfig(filter="none", exclude_special=False, **common),
-}
+settings = analysis.token_settings(filter_quantile, max_tokens=max_tokens or None, seed=seed,
+                                   with_special=True)
 results_dir = repo_root() / "results" / profile
 plots.setup_style()
 captures, settings

@@ -40,7 +40,7 @@ import logging
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from actwave import analysis, plots, selection, store
+from actwave import analysis, plots, selection, selection_report, store
 from actwave.config import repo_root
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
@@ -50,13 +50,8 @@ model_names = [name.strip() for name in models.split(",") if name.strip()]
 captures = {name: store.CaptureConfig(
     model=name, split="analysis", n_sequences=analysis_sequences, max_seq_len=max_seq_len,
     batch_size=capture_batch_size, dtype=capture_dtype, seed=seed) for name in model_names}
-common = {"max_tokens": max_tokens or None, "seed": seed}
-settings = {
-    "all tokens": analysis.AnalysisConfig(filter="none", **common),
-    f"top {1 - filter_quantile:.0%} entropy": analysis.AnalysisConfig(
-        filter="quantile", filter_value=filter_quantile, **common),
-    "all + special": analysis.AnalysisConfig(filter="none", exclude_special=False, **common),
-}
+settings = analysis.token_settings(filter_quantile, max_tokens=max_tokens or None, seed=seed,
+                                   with_special=True)
 cka_kinds = {"debiased": True, "biased": False}
 results_dir = repo_root() / "results" / profile
 plots.setup_style()
@@ -108,8 +103,8 @@ plots.save_table(compartment_rows, "03_compartments", NOTEBOOK, results_dir,
                  sort_by=["model", "setting", "cka", "block"])
 floor = pd.DataFrame([
     {"model": name, "setting": label, "n_tokens": s.n_tokens,
-     "mean_offdiag_debiased": float(selection.off_diagonal_mean(s.cka)),
-     "mean_offdiag_biased": float(selection.off_diagonal_mean(s.cka_biased))}
+     "mean_offdiag_debiased": float(selection_report.off_diagonal_mean(s.cka)),
+     "mean_offdiag_biased": float(selection_report.off_diagonal_mean(s.cka_biased))}
     for (name, label), s in stats.items()])
 floor["floor"] = floor["mean_offdiag_biased"] - floor["mean_offdiag_debiased"]
 plots.save_table(floor, "03_cka_floor", NOTEBOOK, results_dir, sort_by=["model", "setting"])

@@ -44,7 +44,7 @@ import logging
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from actwave import analysis, plots, selection, store
+from actwave import analysis, plots, selection, selection_report, store
 from actwave.config import repo_root
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
@@ -54,12 +54,7 @@ model_names = [name.strip() for name in models.split(",") if name.strip()]
 captures = {name: store.CaptureConfig(
     model=name, split="analysis", n_sequences=analysis_sequences, max_seq_len=max_seq_len,
     batch_size=capture_batch_size, dtype=capture_dtype, seed=seed) for name in model_names}
-common = {"max_tokens": max_tokens or None, "seed": seed}
-settings = {
-    "all tokens": analysis.AnalysisConfig(filter="none", **common),
-    f"top {1 - filter_quantile:.0%} entropy": analysis.AnalysisConfig(
-        filter="quantile", filter_value=filter_quantile, **common),
-}
+settings = analysis.token_settings(filter_quantile, max_tokens=max_tokens or None, seed=seed)
 keys = [(name, label) for name in model_names for label in settings]
 results_dir = repo_root() / "results" / profile
 plots.setup_style()
@@ -85,7 +80,8 @@ reference_sets
 # ## All pairs: Rényi-2 aggregate entropy (boxes: pairs inside the EAGLE-3 default)
 
 # %%
-pair_matrices = {key: selection.pairwise_scores(selection.renyi2_score(s), candidates[key])
+pair_matrices = {key: selection_report.pairwise_scores(selection.renyi2_score(s),
+                                                       candidates[key])
                  for key, s in stats.items()}
 for name in model_names:
     fig, axes = plt.subplots(1, len(settings), figsize=(4.8 * len(settings), 4.2), squeeze=False)
@@ -134,8 +130,8 @@ summary.T
 # One eigendecomposition of a (k·d)² covariance per set, from the stored blocks.
 
 # %%
-top_sets = {key: selection.top_subsets(subsets, scores, n_shannon,
-                                       include=[reference_sets[key[0]]["EAGLE-3 default"]])
+top_sets = {key: selection_report.top_subsets(subsets, scores, n_shannon,
+                                              include=[reference_sets[key[0]]["EAGLE-3 default"]])
             for key, (_, subsets, scores) in triples.items()}
 shannon = {(name, label): selection.aggregate_score(analysis.compute_layer_stats(
                stores[name], settings[label], device=device), alpha=1.0)(top_sets[(name, label)])

@@ -50,7 +50,7 @@ from statistics import mean
 
 import pandas as pd
 
-from actwave import analysis, plots, selection, store
+from actwave import analysis, plots, selection_report, store
 from actwave.config import package_versions, repo_root
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
@@ -60,13 +60,9 @@ model_names = [name.strip() for name in models.split(",") if name.strip()]
 captures = {name: store.CaptureConfig(
     model=name, split="analysis", n_sequences=analysis_sequences, max_seq_len=max_seq_len,
     batch_size=capture_batch_size, dtype=capture_dtype, seed=seed) for name in model_names}
-common = {"max_tokens": max_tokens or None, "seed": seed}
-unfiltered, filtered = "all tokens", f"top {1 - filter_quantile:.0%} entropy"
-settings = {
-    unfiltered: analysis.AnalysisConfig(filter="none", **common),
-    filtered: analysis.AnalysisConfig(filter="quantile", filter_value=filter_quantile, **common),
-}
-config = selection.SelectionConfig(
+settings = analysis.token_settings(filter_quantile, max_tokens=max_tokens or None, seed=seed)
+unfiltered, filtered = settings  # "all tokens", "top X% entropy"
+config = selection_report.SelectionConfig(
     k=k, greedy_alpha=greedy_alpha, mrmr_lambda=mrmr_lambda, dpp_theta=dpp_theta,
     combined_method=combined_method, competitive_percentile=competitive_percentile, seed=seed)
 methods = config.methods()  # label (= method name): (method, options)
@@ -82,7 +78,7 @@ captures, settings
 
 # %%
 stores = {name: store.open_store(config) for name, config in captures.items()}
-records = {(name, label): selection.compare_methods(analysis.compute_layer_stats(
+records = {(name, label): selection_report.compare_methods(analysis.compute_layer_stats(
                stores[name], settings[label], device=device), methods, k=config.k)
            for name, label in keys}
 table = pd.DataFrame([{"model": name, "setting": label, **record}
@@ -112,8 +108,9 @@ best_label = "renyi2_exhaustive"
 explanations = []
 for (name, label), rows in records.items():
     by_label = {row["label"]: row for row in rows}
-    default = selection.set_profile(stats[(name, label)], by_label["eagle3_default"]["layers"])
-    best = selection.set_profile(stats[(name, label)], by_label[best_label]["layers"])
+    set_stats = stats[(name, label)]
+    default = selection_report.set_profile(set_stats, by_label["eagle3_default"]["layers"])
+    best = selection_report.set_profile(set_stats, by_label[best_label]["layers"])
     percentile = by_label["eagle3_default"]["renyi2_pct"]
     verdict = "competitive" if percentile >= config.competitive_percentile else "not competitive"
     less_informative = mean(default["entropy_ranks"]) > mean(best["entropy_ranks"])

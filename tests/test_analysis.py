@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from actwave import metrics as M
-from actwave.analysis import AnalysisConfig, compute_layer_stats, load_layer_stats
+from actwave.analysis import (AnalysisConfig, compute_layer_stats, load_layer_stats,
+                              token_keep_mask, token_settings)
 from actwave.store import CaptureStore
 
 N_LAYERS, DIM, SHARD_SIZES = 3, 8, (50, 70, 40)
@@ -122,3 +123,23 @@ def test_config_errors(store):
     with pytest.raises(ValueError, match="survive the filter"):
         compute_layer_stats(capture, AnalysisConfig(filter="threshold", filter_value=99.0),
                             progress=False)
+
+
+def test_token_settings_labels_and_configs(store):
+    settings = token_settings(0.75, max_tokens=60, seed=3, with_special=True)
+    assert list(settings) == ["all tokens", "top 25% entropy", "all + special"]
+    assert settings["all tokens"] == AnalysisConfig(filter="none", max_tokens=60, seed=3)
+    assert settings["top 25% entropy"] == AnalysisConfig(filter="quantile", filter_value=0.75,
+                                                         max_tokens=60, seed=3)
+    assert settings["all + special"] == AnalysisConfig(filter="none", exclude_special=False,
+                                                       max_tokens=60, seed=3)
+    assert list(token_settings(0.5)) == ["all tokens", "top 50% entropy"]
+    assert token_settings(0.5)["all tokens"].max_tokens is None
+    # the label says what the filter keeps: about the top half of the candidate tokens
+    capture, columns = store
+    _, counts = token_keep_mask(capture, token_settings(0.5)["top 50% entropy"])
+    candidates = int((~columns["special"]).sum())
+    assert counts["n_candidates"] == candidates
+    assert abs(counts["n_filter_kept"] - candidates / 2) <= 1
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        token_settings(1.2)

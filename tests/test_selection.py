@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from actwave import selection
+from actwave import selection, selection_report
 from actwave import metrics
 from actwave.metrics import LayerStats, layer_stats
 
@@ -284,7 +284,7 @@ def test_compartment_layers_map_rows_to_layer_ids():
 # ----------------------------------------------------------------------------- reports
 def test_pairwise_scores_matrix():
     stats = random_stats(6, seed=4)
-    matrix = selection.pairwise_scores(selection.renyi2_score(stats), [2, 4, 5])
+    matrix = selection_report.pairwise_scores(selection.renyi2_score(stats), [2, 4, 5])
     assert torch.isnan(matrix.diagonal()).all()
     assert torch.allclose(matrix, matrix.T, rtol=0, atol=0, equal_nan=True)
     direct = metrics.aggregate_renyi2(stats, torch.tensor([[2, 5]]))[0]
@@ -295,7 +295,7 @@ def test_compare_methods_scores_and_percentiles():
     stats = random_stats(12, seed=6)
     methods = {"default": ("eagle3_default", {}), "h2": ("renyi2_exhaustive", {}),
                "dpp": ("logdet_dpp", {"theta": 1.0}), "top": ("entropy_topk", {})}
-    records = {r["label"]: r for r in selection.compare_methods(stats, methods)}
+    records = {r["label"]: r for r in selection_report.compare_methods(stats, methods)}
     assert records["h2"]["renyi2_pct"] == 100.0
     assert records["dpp"]["logdet_pct"] == 100.0
     assert records["top"]["entropy_sum_pct"] == 100.0
@@ -312,38 +312,40 @@ def test_set_profile_explains_a_set():
     cka[0, 0] = 1.0
     cka.fill_diagonal_(1.0)
     stats = make_stats([0.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0], cka)
-    profile = selection.set_profile(stats, [3, 1, 2])
+    profile = selection_report.set_profile(stats, [3, 1, 2])
     assert profile["layers"] == (1, 2, 3) and profile["entropy_ranks"] == (1, 2, 3)
     assert profile["mean_cka"] == pytest.approx(0.9)
     assert profile["compartments_hit"] == 1 < profile["n_compartments"]
-    assert selection.set_profile(stats, [1, 6])["compartments_hit"] == 2
+    assert selection_report.set_profile(stats, [1, 6])["compartments_hit"] == 2
 
 
 def test_off_diagonal_mean():
     matrix = torch.tensor([[1.0, 0.2, 0.4], [0.2, 1.0, 0.6], [0.4, 0.6, 1.0]])
-    assert selection.off_diagonal_mean(matrix).item() == pytest.approx(0.4)
+    assert selection_report.off_diagonal_mean(matrix).item() == pytest.approx(0.4)
     with pytest.raises(ValueError, match="square"):
-        selection.off_diagonal_mean(torch.ones(2, 3))
+        selection_report.off_diagonal_mean(torch.ones(2, 3))
 
 
 def test_top_subsets_with_included_sets():
     subsets = selection.all_subsets(5, 2)  # 10 pairs, lexicographic
     scores = torch.tensor([0.0, 9.0, 1.0, 2.0, 9.0, 3.0, 4.0, 5.0, 6.0, 7.0])
-    top = selection.top_subsets(subsets, scores, 3, include=[(2, 1), (5, 1)])
+    top = selection_report.top_subsets(subsets, scores, 3, include=[(2, 1), (5, 1)])
     # best: (1,3) and (2,3) tie at 9 (enumeration order), then (4,5); (1,2) appended, (1,5) too
     assert top.tolist() == [[1, 3], [2, 3], [4, 5], [1, 2], [1, 5]]
-    assert selection.top_subsets(subsets, scores, 2, include=[(3, 1)]).tolist() == [[1, 3], [2, 3]]
+    assert selection_report.top_subsets(subsets, scores, 2,
+                                        include=[(3, 1)]).tolist() == [[1, 3], [2, 3]]
 
 
 def test_selection_config_lists_every_method_with_options():
-    config = selection.SelectionConfig(mrmr_lambda=0.3, seed=5, greedy_alpha=2.0)  # no cov
+    # greedy_alpha=2 takes the closed form: random_stats carry no covariance blocks
+    config = selection_report.SelectionConfig(mrmr_lambda=0.3, seed=5, greedy_alpha=2.0)
     methods = config.methods()
     assert set(methods) == set(selection.METHODS)
     assert methods["mrmr"] == ("mrmr", {"lam": 0.3})
     assert methods["random"] == ("random", {"seed": 5})
-    records = selection.compare_methods(random_stats(9, seed=1), methods)
+    records = selection_report.compare_methods(random_stats(9, seed=1), methods)
     assert [r["label"] for r in records] == list(methods)
     with pytest.raises(ValueError, match="combined_method 'best' unknown"):
-        selection.SelectionConfig(combined_method="best")
+        selection_report.SelectionConfig(combined_method="best")
     with pytest.raises(ValueError, match="k must be"):
-        selection.SelectionConfig(k=0)
+        selection_report.SelectionConfig(k=0)

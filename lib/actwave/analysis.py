@@ -55,6 +55,27 @@ class AnalysisConfig:
             raise ValueError(f"max_tokens must be None or ≥ 4, got {self.max_tokens}")
 
 
+def token_settings(filter_quantile: float, max_tokens: int | None = None, seed: int = 0,
+                   with_special: bool = False) -> dict[str, AnalysisConfig]:
+    """The token sets the analysis notebooks compare, by table label, in this order.
+
+    "all tokens": every non-special token; "top X% entropy" (X = 1 − ``filter_quantile``):
+    predictive entropy ≥ that quantile, the hard tokens that decide acceptance;
+    ``with_special`` adds "all + special" (special tokens kept) to show the effect of
+    massive activations once (``DESIGN.md``).
+    """
+    common = {"max_tokens": max_tokens, "seed": seed}
+    settings = {
+        "all tokens": AnalysisConfig(filter="none", **common),
+        f"top {1 - filter_quantile:.0%} entropy": AnalysisConfig(
+            filter="quantile", filter_value=filter_quantile, **common),
+    }
+    if with_special:
+        settings["all + special"] = AnalysisConfig(filter="none", exclude_special=False,
+                                                   **common)
+    return settings
+
+
 def token_keep_mask(store, config: AnalysisConfig) -> tuple[torch.Tensor, dict]:
     """Keep mask ``(n_tokens,)`` over the whole store from its columns, and the counts.
 

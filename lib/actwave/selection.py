@@ -26,12 +26,14 @@ evenly_spaced, last_k, first_k, random); entropy-only (entropy_topk); entropy+CK
 cka_compartments). All but cka_compartments and the fixed baselines ignore depth order:
 permuting the layers' statistics permutes the chosen set (up to ties, which go to the
 earlier candidate).
+
+Reports built on these (method comparison, set profiles, pair matrices, the selection
+stage's config) live in ``actwave.selection_report``.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +45,8 @@ ScoreFn = Callable[[Tensor], Tensor]
 
 
 # ----------------------------------------------------------------------------- checks
-def _check_k(k: int, n_candidates: int) -> int:
+def check_k(k: int, n_candidates: int) -> int:
+    """``k`` if it is an int in [1, n_candidates], else a ValueError naming it."""
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_candidates:
         raise ValueError(f"k must be an int in [1, {n_candidates}] (the number of candidate "
                          f"layers), got {k!r}")
@@ -87,20 +90,20 @@ def eagle3_default(num_layers: int) -> tuple[int, int, int]:
 
 def evenly_spaced(num_layers: int, k: int) -> tuple[int, ...]:
     """Centres of k equal-width bins of layers 1..N (N=30, k=3 → 5, 15, 25)."""
-    _check_k(k, _check_num_layers(num_layers))
+    check_k(k, _check_num_layers(num_layers))
     # centre of bin i is 0.5 + (2i+1)N/(2k); integer floor of it:
     return tuple((k + (2 * i + 1) * num_layers) // (2 * k) for i in range(k))
 
 
 def last_k(num_layers: int, k: int) -> tuple[int, ...]:
     """The k deepest layers N-k+1..N (ℓ = N is the last block's output, before the norm)."""
-    _check_k(k, _check_num_layers(num_layers))
+    check_k(k, _check_num_layers(num_layers))
     return tuple(range(num_layers - k + 1, num_layers + 1))
 
 
 def first_k(num_layers: int, k: int) -> tuple[int, ...]:
     """The k shallowest candidates 1..k — adjacent early layers, a deliberately poor control."""
-    _check_k(k, _check_num_layers(num_layers))
+    check_k(k, _check_num_layers(num_layers))
     return tuple(range(1, k + 1))
 
 
@@ -109,7 +112,7 @@ def random_layers(num_layers: int, k: int, seed: int,
     """k distinct layers drawn uniformly from ``candidates`` (default 1..N), seeded (CPU RNG)."""
     pool = list(range(1, _check_num_layers(num_layers) + 1)) if candidates is None \
         else sorted(int(c) for c in candidates)
-    _check_k(k, len(pool))
+    check_k(k, len(pool))
     generator = torch.Generator().manual_seed(int(seed))
     picks = torch.randperm(len(pool), generator=generator)[:k]
     return tuple(sorted(pool[i] for i in picks.tolist()))
@@ -125,7 +128,7 @@ def all_subsets(num_layers_or_candidates: int | Sequence[int], k: int) -> Tensor
         pool = list(range(1, _check_num_layers(num_layers_or_candidates) + 1))
     else:
         pool = sorted(int(c) for c in num_layers_or_candidates)
-    _check_k(k, len(pool))
+    check_k(k, len(pool))
     return torch.combinations(torch.tensor(pool, dtype=torch.long), r=k)  # (S, k)
 
 
@@ -150,7 +153,7 @@ def greedy(step_fn: ScoreFn, candidates: Sequence[int], k: int) -> tuple[int, ..
     an incremental criterion (mRMR) reads the last column.
     """
     pool = [int(c) for c in candidates]
-    _check_k(k, len(pool))
+    check_k(k, len(pool))
     chosen: list[int] = []
     for _ in range(k):
         remaining = torch.tensor([c for c in pool if c not in chosen], dtype=torch.long)
@@ -179,7 +182,8 @@ def score_of(subset: Sequence[int], subsets: Tensor, scores: Tensor) -> float:
 
 
 # ----------------------------------------------------------------------------- objectives
-def _cka_matrix(stats: Any, debiased: bool) -> Tensor:
+def cka_matrix(stats: Any, debiased: bool) -> Tensor:
+    """The stats' ``(L, L)`` linear CKA: debiased (Székely–Rizzo) or the biased plug-in."""
     return stats.cka if debiased else stats.cka_biased
 
 
@@ -211,7 +215,7 @@ def logdet_score(stats: Any, theta: float = 1.0, debiased: bool = True) -> Score
 
     A non-positive det (possible for debiased CKA, which need not be PSD) scores −inf.
     """
-    cka = _cka_matrix(stats, debiased)
+    cka = cka_matrix(stats, debiased)
 
     def score(subsets: Tensor) -> Tensor:
         rows = stats.rows(subsets)  # (S, k)
@@ -225,7 +229,7 @@ def logdet_score(stats: Any, theta: float = 1.0, debiased: bool = True) -> Score
 
 def dispersion_score(stats: Any, debiased: bool = True) -> ScoreFn:
     """min_{a<b∈S} (1 − CKA_ab); +inf for a single layer."""
-    cka = _cka_matrix(stats, debiased)
+    cka = cka_matrix(stats, debiased)
 
     def score(subsets: Tensor) -> Tensor:
         rows = stats.rows(subsets)  # (S, k)
@@ -303,7 +307,7 @@ def mrmr(stats: Any, k: int, candidates: Sequence[int], lam: float = 1.0,
     Adds argmax_j [r_j − λ · mean_{s∈S} CKA_js], relevance r_j = H₁(j) / max_c H₁(c) ∈ (0, 1]
     (scale-free, comparable with CKA ∈ [0, 1]); the first pick is the highest-entropy layer.
     """
-    cka = _cka_matrix(stats, debiased)
+    cka = cka_matrix(stats, debiased)
     pool_rows = stats.rows(list(candidates))
     relevance = stats.entropy / stats.entropy[pool_rows].max()
 
@@ -325,7 +329,7 @@ def cka_farthest(stats: Any, k: int, candidates: Sequence[int],
     First pick: the candidate with the largest mean distance to the other candidates; then
     the candidate farthest from its nearest chosen layer. Uses no entropy (CKA-only).
     """
-    cka = _cka_matrix(stats, debiased)
+    cka = cka_matrix(stats, debiased)
     pool_rows = stats.rows(list(candidates)).to(cka.device)
 
     def step(trial: Tensor) -> Tensor:
@@ -363,7 +367,7 @@ def cka_compartments(stats: Any, k: int, candidates: Sequence[int],
 def compartment_layers(stats: Any, debiased: bool = True,
                        **options: Any) -> list[tuple[int, int]]:
     """``metrics.compartments`` of the stats' CKA as (first, last) layer ids, inclusive."""
-    blocks = metrics.compartments(_cka_matrix(stats, debiased), **options)
+    blocks = metrics.compartments(cka_matrix(stats, debiased), **options)
     return [(int(stats.layers[first]), int(stats.layers[last])) for first, last in blocks]
 
 
@@ -402,37 +406,6 @@ METHODS: dict[str, Callable[..., tuple[int, ...]]] = {
 }
 
 
-@dataclass
-class SelectionConfig:
-    """The selection stage (notebook 05): set size, method options, what goes to training.
-
-    ``combined_method``: the entropy+CKA method whose sets are trained (with and without
-    token filtering); ``competitive_percentile``: a set at or above this H₂ percentile
-    counts as competitive with the best.
-    """
-
-    k: int = 3
-    greedy_alpha: float = 1.0
-    mrmr_lambda: float = 1.0
-    dpp_theta: float = 1.0
-    combined_method: str = "renyi2_exhaustive"
-    competitive_percentile: float = 90.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.combined_method not in METHODS:
-            raise ValueError(f"combined_method {self.combined_method!r} unknown; "
-                             f"known: {sorted(METHODS)}")
-        _check_k(self.k, 10**9)
-
-    def methods(self) -> dict[str, tuple[str, dict]]:
-        """Every method of ``METHODS`` with this config's options, labelled by its name."""
-        options = {"random": {"seed": self.seed},
-                   "greedy_aggregate_entropy": {"alpha": self.greedy_alpha},
-                   "logdet_dpp": {"theta": self.dpp_theta}, "mrmr": {"lam": self.mrmr_lambda}}
-        return {name: (name, options.get(name, {})) for name in METHODS}
-
-
 def select(method: str, stats: Any, k: int = 3, candidates: Sequence[int] | None = None,
            **options: Any) -> tuple[int, ...]:
     """Layer ids chosen by ``method`` (a key of ``METHODS``), sorted.
@@ -444,91 +417,5 @@ def select(method: str, stats: Any, k: int = 3, candidates: Sequence[int] | None
     if method not in METHODS:
         raise ValueError(f"unknown selection method {method!r}; known: {sorted(METHODS)}")
     pool = resolve_candidates(stats, candidates)
-    _check_k(k, len(pool))
+    check_k(k, len(pool))
     return tuple(sorted(int(v) for v in METHODS[method](stats, k, pool, **options)))
-
-
-# ----------------------------------------------------------------------------- reports
-def pairwise_scores(score_fn: ScoreFn, layers: Sequence[int]) -> Tensor:
-    """Symmetric ``(n, n)`` matrix of a set score over all pairs of ``layers`` (NaN diagonal)."""
-    layers = [int(v) for v in layers]
-    pairs = all_subsets(layers, 2)  # (P, 2)
-    scores = score_fn(pairs).to("cpu", torch.float64)  # (P,)
-    position = {layer: i for i, layer in enumerate(layers)}
-    matrix = torch.full((len(layers), len(layers)), math.nan, dtype=torch.float64)
-    rows = torch.tensor([position[a] for a in pairs[:, 0].tolist()])
-    cols = torch.tensor([position[b] for b in pairs[:, 1].tolist()])
-    matrix[rows, cols] = scores
-    matrix[cols, rows] = scores
-    return matrix
-
-
-def compare_methods(stats: Any, methods: Mapping[str, tuple[str, dict]], k: int = 3,
-                    candidates: Sequence[int] | None = None,
-                    objectives: Sequence[str] = ("renyi2", "logdet", "entropy_sum",
-                                                 "dispersion")) -> list[dict]:
-    """Each method's set, its score under each objective and its percentile among all sets.
-
-    methods: ``{label: (method name, options)}``. Returns one record per label:
-    ``{"label", "method", "layers", "<objective>", "<objective>_pct", ...}`` where the
-    percentile is the share of all C(n, k) candidate subsets scoring at most as well.
-    """
-    pool = resolve_candidates(stats, candidates)
-    scored = {name: exhaustive(objective(name, stats), pool, k) for name in objectives}
-    records = []
-    for label, (method, options) in methods.items():
-        layers = select(method, stats, k=k, candidates=pool, **options)
-        record = {"label": label, "method": method, "layers": layers}
-        for name, (_, subsets, scores) in scored.items():
-            value = score_of(layers, subsets, scores) if set(layers) <= set(pool) else math.nan
-            record[name] = value
-            record[f"{name}_pct"] = percentile(value, scores) if not math.isnan(value) else math.nan
-        records.append(record)
-    return records
-
-
-def top_subsets(subsets: Tensor, scores: Tensor, n: int,
-                include: Sequence[Sequence[int]] = ()) -> Tensor:
-    """The ``n`` best-scoring rows of ``subsets: (S, k)`` plus any ``include`` sets, best first.
-
-    Ties keep the enumeration order; an ``include`` set already among the top is not repeated.
-    """
-    order = torch.sort(scores.cpu(), descending=True, stable=True).indices[:n]
-    chosen = [tuple(row) for row in subsets[order].tolist()]
-    extra = [tuple(sorted(int(v) for v in s)) for s in include]
-    chosen += [s for s in dict.fromkeys(extra) if s not in chosen]
-    return torch.tensor(chosen, dtype=torch.long).reshape(-1, subsets.shape[1])  # (n', k)
-
-
-def off_diagonal_mean(matrix: Tensor) -> Tensor:
-    """Mean of the off-diagonal entries of a square ``(L, L)`` matrix (e.g. CKA)."""
-    matrix = torch.as_tensor(matrix)
-    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.shape[0] < 2:
-        raise ValueError(f"need a square (L, L) matrix with L ≥ 2, got {tuple(matrix.shape)}")
-    off = ~torch.eye(matrix.shape[0], dtype=torch.bool, device=matrix.device)
-    return matrix[off].mean()
-
-
-def set_profile(stats: Any, layers: Sequence[int], candidates: Sequence[int] | None = None,
-                debiased: bool = True) -> dict:
-    """Why a set scores as it does: entropy ranks, redundancy, compartments covered.
-
-    ``entropy_ranks``: rank of each layer's Shannon entropy among the candidates (1 = the
-    highest, 0 = not a candidate); ``mean_cka`` / ``max_cka``: over the set's pairs;
-    ``compartments_hit``: how many of the ``compartment_layers`` blocks the set touches, of
-    ``n_compartments``.
-    """
-    pool = resolve_candidates(stats, candidates)
-    layers = sorted(int(v) for v in layers)
-    order = torch.sort(stats.entropy[stats.rows(list(pool))].cpu(), descending=True,
-                       stable=True).indices.tolist()
-    rank = {pool[i]: r + 1 for r, i in enumerate(order)}
-    rows = stats.rows(layers)
-    block = _cka_matrix(stats, debiased)[rows[:, None], rows[None, :]].cpu()  # (k, k)
-    pair_values = block[torch.triu(torch.ones_like(block, dtype=torch.bool), diagonal=1)]
-    blocks = compartment_layers(stats, debiased=debiased)
-    hit = {i for i, (first, last) in enumerate(blocks) for v in layers if first <= v <= last}
-    return {"layers": tuple(layers), "entropy_ranks": tuple(rank.get(v, 0) for v in layers),
-            "mean_cka": float(pair_values.mean()) if pair_values.numel() else math.nan,
-            "max_cka": float(pair_values.max()) if pair_values.numel() else math.nan,
-            "compartments_hit": len(hit), "n_compartments": len(blocks)}
