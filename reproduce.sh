@@ -57,7 +57,7 @@ mkdir -p "$OUT" .cache/notebooks
 # Only the cpu profile regenerates the committed figures/; others keep theirs beside results.
 if [[ $PROFILE != cpu ]]; then export ACTWAVE_FIGURES="$OUT/figures"; fi
 extra=()
-[[ -n $MODEL ]] && extra+=(-p models "$MODEL" -p train_models "$MODEL" -p draft_models "$MODEL")
+[[ -n $MODEL ]] && extra+=(-p models "$MODEL" -p train_models "$MODEL")
 for src in notebooks/[0-9][0-9]_*.py; do
   name=$(basename "$src" .py)
   if [[ -n $ONLY && ",$ONLY," != *",${name:0:2},"* ]]; then continue; fi

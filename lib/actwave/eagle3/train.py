@@ -1,0 +1,500 @@
+"""Training EAGLE-3 drafts from a capture store (no target forward passes).
+
+The capture store (``actwave.store``) holds every layer's hidden state per token, so a
+draft for any layer set trains from it alone: the draft's k layers are its input and the
+target's soft labels are recomputed from the stored ℓ=N state with the target's final
+norm + LM head (``actwave.capture.target_logits``). The target object is needed only for
+that head and for the frozen input embedding. The unrolled loss is in ``ttt.py``.
+
+Optimisation follows SafeAILab/EAGLE ``traineagle3`` / SpecForge: AdamW β=(0.9, 0.95),
+weight decay 0, linear warmup then cosine decay, gradient clipping 0.5. Multi-GPU runs
+go through ``accelerate`` (DDP: ``accelerate launch``); on CPU it is one process.
+
+Memory: the training split is kept in memory in the store's dtype,
+(k+1)·D·bytes per token (k draft layers + ℓ=N): SmolLM2 (D=576), k=3, bf16 → 4.6 kB per
+token, ~310 MB for 67k tokens. Per step, the unroll keeps for backward about three
+(B, L, V_draft) float32 tensors per TTT step (logits, log-probs, target probs), e.g.
+4×512×16k×4 B = 134 MB each.
+
+Soft labels come from ℓ=N states stored in the store's dtype (bf16 by default), so they
+differ from the target's fp32 logits by that rounding; the target argmax used for the
+masks and the agreement metric is the one the capture pass stored.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+from tqdm import tqdm
+
+from actwave.capture import target_logits
+from actwave.config import atomic_write_bytes, atomic_write_json, config_hash, save_config
+from actwave.eagle3.model import Eagle3Draft
+from actwave.eagle3.ttt import TTTLoss, TTTOutput
+from actwave.eagle3.vocab import draft_target_ids, token_frequencies
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TRAIN_COLUMNS = ("input_ids", "argmax", "loss_mask", "seq_index")
+
+
+@dataclass
+class TrainConfig:
+    """One draft's training run (saved as ``config.json`` beside it)."""
+
+    layer_ids: tuple[int, ...]
+    ttt_steps: int = 7
+    gamma: float = 0.8
+    lr: float = 1e-4
+    warmup_steps: int = 50
+    total_steps: int = 1000
+    batch_size: int = 4                  # sequences per process and step
+    max_seq_len: int = 512
+    grad_clip: float = 0.5
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    draft_vocab_size: int = 32768        # EAGLE-3's size for Llama-3 (32k)
+    seed: int = 0
+    checkpoint_every: int = 200
+    dtype: str = "float32"               # compute: float32, or bfloat16 autocast
+    # "random" (SafeAILab) or "target" rows (speculators); on SmolLM2, 60 CPU steps, random
+    # gave equal step-0 but higher step-1/2 held-out agreement (0.105/0.077 vs 0.079/0.056).
+    lm_head_init: str = "random"
+    eval_sequences: int = 16             # held-out sequences scored at each checkpoint
+
+    def __post_init__(self):
+        self.layer_ids = tuple(int(i) for i in self.layer_ids)
+        self.betas = tuple(float(b) for b in self.betas)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {sorted(DTYPES)}")
+        for name in ("ttt_steps", "total_steps", "batch_size", "max_seq_len",
+                     "draft_vocab_size", "checkpoint_every", "eval_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps < self.total_steps:
+            raise ValueError(f"warmup_steps must lie in 0..total_steps-1 ({self.total_steps - 1}),"
+                             f" got {self.warmup_steps}")
+        if self.lr <= 0 or self.grad_clip <= 0:
+            raise ValueError(f"lr and grad_clip must be > 0, got {self.lr}, {self.grad_clip}")
+
+
+@dataclass
+class TrainData:
+    """Whole sequences in memory: per sequence (T,·) tensors in the store's dtype."""
+
+    target_states: list[torch.Tensor]   # (T, k·D) the draft's layers, in layer_ids order
+    last_states: list[torch.Tensor]     # (T, D) ℓ=N, for the target's soft labels
+    input_ids: list[torch.Tensor]       # (T,)
+    argmax: list[torch.Tensor]          # (T,) target argmax next token
+    loss_mask: list[torch.Tensor]       # (T,) bool, token in an assistant reply
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(ids.numel() for ids in self.input_ids)
+
+
+@dataclass
+class TrainResult:
+    """The trained draft, its per-step history rows and where it was written."""
+
+    draft: Eagle3Draft
+    history: list[dict]
+    out_dir: Path
+    draft_dir: Path
+    seconds: float
+    metrics: dict = field(default_factory=dict)
+
+
+def load_sequences(store, layer_ids, max_seq_len: int | None = None,
+                   max_sequences: int | None = None) -> TrainData:
+    """Read the draft's layers + ℓ=N of the stored sequences (the first ``max_sequences``,
+    each truncated to ``max_seq_len``)."""
+    last = store.num_layers
+    needed = sorted(set(layer_ids) | {last})
+    rows = [needed.index(i) for i in layer_ids]
+    data = TrainData([], [], [], [], [])
+    for shard in store.iter_shards(layers=needed, columns=TRAIN_COLUMNS):
+        if max_sequences is not None and len(data) >= max_sequences:
+            break
+        lengths = torch.unique_consecutive(shard["seq_index"], return_counts=True)[1].tolist()
+        hidden = shard["hidden"]  # (L_sel, n, D)
+        for start, length in zip([0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]], lengths):
+            stop = start + min(length, max_seq_len or length)
+            chosen = hidden[rows, start:stop]  # (k, T, D)
+            data.target_states.append(chosen.permute(1, 0, 2).reshape(stop - start, -1))
+            data.last_states.append(hidden[needed.index(last), start:stop])
+            for name in ("input_ids", "argmax", "loss_mask"):
+                getattr(data, name).append(shard[name][start:stop])
+            if max_sequences is not None and len(data) >= max_sequences:
+                break
+    if not len(data):
+        raise ValueError(f"capture store {store.path} holds no sequences")
+    return data
+
+
+def _pad(tensors: list[torch.Tensor], width: int, fill=0) -> torch.Tensor:
+    """Right-pad (T, ...) tensors to (B, width, ...)."""
+    out = tensors[0].new_full((len(tensors), width, *tensors[0].shape[1:]), fill)
+    for row, values in enumerate(tensors):
+        out[row, : values.shape[0]] = values
+    return out
+
+
+@torch.no_grad()
+def target_draft_probs(target, last_states: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """Target next-token probs over the draft vocab, renormalised, fp32.
+
+    last_states: (B, L, D) ℓ=N states; vocab_ids: (V_draft,) target ids -> (B, L, V_draft).
+    Row by row so the full-vocabulary logits of only one sequence exist at a time.
+    """
+    weight = target.get_output_embeddings().weight
+    rows = [target_logits(target, row.to(device=weight.device, dtype=weight.dtype))[..., vocab_ids]
+            for row in last_states]
+    return torch.softmax(torch.stack(rows).float(), dim=-1)
+
+
+def make_batch(data: TrainData, indices: list[int], target, draft: Eagle3Draft,
+               device: torch.device) -> dict[str, torch.Tensor]:
+    """Padded TTTLoss inputs for sequences ``indices`` on ``device`` (states in float32)."""
+    width = max(data.input_ids[i].numel() for i in indices)
+    padded = {name: _pad([getattr(data, name)[i] for i in indices], width).to(device)
+              for name in ("target_states", "last_states", "input_ids", "argmax", "loss_mask")}
+    loss_mask = padded["loss_mask"]  # (B, L)
+    # Position p is trained when the token it predicts, x_{p+1}, exists and is in a reply.
+    label_mask = torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], dim=1)
+    vocab_ids = draft_target_ids(draft.d2t).to(device)
+    return {"target_states": padded["target_states"].float(),  # (B, L, k·D)
+            "input_ids": padded["input_ids"],
+            "target_probs": target_draft_probs(target, padded["last_states"], vocab_ids).to(device),
+            "target_argmax": padded["argmax"],
+            "label_mask": label_mask}
+
+
+def batch_indices(n_sequences: int, batch_size: int, step: int, seed: int,
+                  rank: int = 0, world_size: int = 1) -> list[int]:
+    """This process's sequences at ``step``: a seeded reshuffle each epoch, a pure function
+    of the step (so a resumed run sees the same batches as an uninterrupted one)."""
+    global_size = batch_size * world_size
+    positions = range(step * global_size + rank * batch_size,
+                      step * global_size + (rank + 1) * batch_size)
+    perms: dict[int, torch.Tensor] = {}
+    out = []
+    for position in positions:
+        epoch, offset = divmod(position, n_sequences)
+        if epoch not in perms:
+            generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+            perms[epoch] = torch.randperm(n_sequences, generator=generator)
+        out.append(int(perms[epoch][offset]))
+    return out
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warmup to 1, then cosine decay to 0 at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def history_row(step: int, output: TTTOutput, lr: float, tokens: int, seconds: float) -> dict:
+    """One CSV row: step, loss, per-TTT-step loss and top-1 agreement."""
+    row = {"step": step, "loss": float(output.loss.detach()), "lr": lr, "tokens": tokens,
+           "seconds": seconds}
+    for i, (loss, acc) in enumerate(zip(output.step_losses.tolist(), output.accuracy())):
+        row[f"loss_{i}"] = loss
+        row[f"acc_{i}"] = acc
+    return row
+
+
+def write_history(path: Path, history: list[dict]) -> None:
+    """history.csv, written atomically."""
+    if not history:
+        return
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=list(history[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(history)
+    atomic_write_bytes(path, text.getvalue().encode())
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _optimizer_to_tensors(state: dict) -> tuple[dict[str, torch.Tensor], list]:
+    """Optimizer state as flat tensors (safetensors) + param groups (JSON): no pickle."""
+    tensors = {f"optimizer.{index}.{name}": value for index, entry in state["state"].items()
+               for name, value in entry.items()}
+    return tensors, state["param_groups"]
+
+
+def _optimizer_from_tensors(tensors: dict[str, torch.Tensor], param_groups: list) -> dict:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optimizer."):
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = value
+    return {"state": state, "param_groups": param_groups}
+
+
+def save_checkpoint(out_dir: Path, step: int, draft: Eagle3Draft, optimizer, scheduler,
+                    config: TrainConfig, history: list[dict], eval_history: list[dict]) -> Path:
+    """``out_dir/checkpoints/step-XXXXXXX/``: weights, optimizer, RNG (safetensors) + meta.json.
+
+    Written into a temp folder and renamed, then older checkpoints are removed.
+    """
+    root = out_dir / "checkpoints"
+    final, tmp = root / f"step-{step:07d}", root / f".tmp-step-{step:07d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    optimizer_tensors, param_groups = _optimizer_to_tensors(optimizer.state_dict())
+    tensors = {**{f"draft.{k}": v for k, v in draft.trainable_state_dict().items()},
+               **optimizer_tensors, "rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    (tmp / "state.safetensors").write_bytes(save_tensors(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()}))
+    atomic_write_json(tmp / "meta.json", {
+        "step": step, "config_hash": config_hash(config), "param_groups": param_groups,
+        "scheduler": scheduler.state_dict(), "history": history, "eval_history": eval_history})
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for older in root.glob("step-*"):
+        if older != final:
+            shutil.rmtree(older, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out_dir: Path, config: TrainConfig) -> Path | None:
+    """The newest finished checkpoint of this config in out_dir, else None."""
+    found = sorted((out_dir / "checkpoints").glob("step-*"))
+    if not found:
+        return None
+    meta = json.loads((found[-1] / "meta.json").read_text())
+    if meta["config_hash"] != config_hash(config):
+        raise ValueError(f"checkpoint {found[-1]} belongs to config {meta['config_hash']}, not "
+                         f"{config_hash(config)}; use another out_dir or delete it")
+    return found[-1]
+
+
+def load_checkpoint(path: Path, draft: Eagle3Draft, optimizer, scheduler) -> dict:
+    """Restore weights, optimizer, scheduler and RNG in place; -> the checkpoint's meta.json."""
+    meta = json.loads((path / "meta.json").read_text())
+    tensors = load_tensors((path / "state.safetensors").read_bytes())
+    weights = {k.removeprefix("draft."): v for k, v in tensors.items() if k.startswith("draft.")}
+    draft.load_state_dict(weights, strict=False)
+    optimizer.load_state_dict(_optimizer_from_tensors(tensors, meta["param_groups"]))
+    scheduler.load_state_dict(meta["scheduler"])
+    torch.set_rng_state(tensors["rng.torch"])
+    cuda_keys = sorted((k for k in tensors if k.startswith("rng.cuda.")),
+                       key=lambda k: int(k.rsplit(".", 1)[1]))
+    cuda_states = [tensors[k] for k in cuda_keys]
+    if cuda_states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_states)
+    return meta
+
+
+# ----------------------------------------------------------------------------- training
+def new_draft(target, data: TrainData, config: TrainConfig) -> Eagle3Draft:
+    """A seeded, untrained fp32 draft whose vocab is the most frequent reply tokens of ``data``."""
+    vocab_size = target.get_input_embeddings().weight.shape[0]
+    counts = token_frequencies(data.input_ids, data.loss_mask, vocab_size)
+    torch.manual_seed(config.seed)
+    draft = Eagle3Draft.from_target(target, config.layer_ids, config.draft_vocab_size,
+                                    token_counts=counts, lm_head_init=config.lm_head_init)
+    return draft.float()
+
+
+def train_step(module, optimizer, scheduler, accelerator, batch: dict,
+                config: TrainConfig) -> TTTOutput:
+    """Forward (optionally bf16 autocast), backward, clip, AdamW step, LR step."""
+    with torch.autocast(accelerator.device.type, dtype=torch.bfloat16,
+                        enabled=config.dtype == "bfloat16"):
+        output = module(**batch)
+    accelerator.backward(output.loss)
+    accelerator.clip_grad_norm_(module.parameters(), config.grad_clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return output
+
+
+def _finished(out_dir: Path, config: TrainConfig) -> bool:
+    record_path = out_dir / "config.json"
+    if not record_path.exists():
+        return False
+    record = json.loads(record_path.read_text())
+    return bool(record.get("complete")) and record.get("config_hash") == config_hash(config)
+
+
+def _read_csv(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [{k: float(v) if v not in ("", "nan") else math.nan for k, v in row.items()}
+                for row in csv.DictReader(f)]
+
+
+def _optimizer(draft: Eagle3Draft, config: TrainConfig):
+    """AdamW over the trainable weights + linear-warmup/cosine LambdaLR."""
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=config.lr,
+                                  betas=config.betas, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, config.warmup_steps, config.total_steps))
+    return optimizer, scheduler
+
+
+def _load_finished(out_dir: Path, target) -> TrainResult:
+    record = json.loads((out_dir / "config.json").read_text())
+    return TrainResult(Eagle3Draft.load(out_dir / "draft", target),
+                       _read_csv(out_dir / "history.csv"), out_dir, out_dir / "draft",
+                       record["seconds"], record.get("metrics", {}))
+
+
+def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = True,
+                eval_store=None) -> TrainResult:
+    """Train (or resume, or just load) one draft for ``target`` from a capture ``store``.
+
+    out_dir gets ``checkpoints/`` (every ``checkpoint_every`` steps; the newest is resumed),
+    ``history.csv`` (step, loss, lr, per-TTT-step loss_i / acc_i; process 0's batches),
+    ``eval.csv`` (held-out loss_i / acc_i per checkpoint when ``eval_store`` is given),
+    ``draft/`` (the final ``save_pretrained``) and ``config.json`` (this config, store
+    hash, seconds, final held-out metrics).
+    """
+    from accelerate import Accelerator
+
+    out_dir = Path(out_dir)
+    if _finished(out_dir, config):
+        return _load_finished(out_dir, target)
+    accelerator = Accelerator()
+    data = load_sequences(store, config.layer_ids, config.max_seq_len)
+    eval_data = (load_sequences(eval_store, config.layer_ids, config.max_seq_len,
+                                config.eval_sequences) if eval_store is not None else None)
+    draft = new_draft(target, data, config).to(accelerator.device)
+    optimizer, scheduler = _optimizer(draft, config)
+    start, history, eval_history = 0, [], []
+    checkpoint = latest_checkpoint(out_dir, config)
+    if checkpoint is not None:
+        meta = load_checkpoint(checkpoint, draft, optimizer, scheduler)
+        start, history, eval_history = meta["step"], meta["history"], meta["eval_history"]
+        log.info("resuming %s at step %d", out_dir, start)
+    module, optimizer = accelerator.prepare(TTTLoss(draft, config.ttt_steps, config.gamma),
+                                            optimizer)
+    tic = time.perf_counter() - (history[-1]["seconds"] if history else 0.0)
+    for step in tqdm(range(start, config.total_steps), desc=f"draft {config.layer_ids}",
+                     disable=not (progress and accelerator.is_main_process), mininterval=10):
+        indices = batch_indices(len(data), config.batch_size, step, config.seed,
+                                accelerator.process_index, accelerator.num_processes)
+        batch = make_batch(data, indices, target, draft, accelerator.device)
+        lr = optimizer.param_groups[0]["lr"]
+        output = train_step(module, optimizer, scheduler, accelerator, batch, config)
+        tokens = sum(data.input_ids[i].numel() for i in indices)
+        history.append(history_row(step + 1, output, lr, tokens, time.perf_counter() - tic))
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.total_steps:
+            if eval_data is not None:
+                eval_history.append({"step": step + 1, **evaluate_data(
+                    draft, eval_data, target, config.ttt_steps, config.batch_size, config.dtype)})
+            if accelerator.is_main_process:
+                save_checkpoint(out_dir, step + 1, draft, optimizer, scheduler, config, history,
+                                eval_history)
+                write_history(out_dir / "history.csv", history)
+            accelerator.wait_for_everyone()
+    seconds = time.perf_counter() - tic
+    metrics = eval_history[-1] if eval_history else {}
+    if accelerator.is_main_process:
+        draft.save_pretrained(out_dir / "draft")
+        write_history(out_dir / "eval.csv", eval_history)
+        save_config(out_dir, config, complete=True, seconds=seconds, metrics=metrics,
+                    store=str(store.path), store_config_hash=store.config_hash,
+                    n_train_sequences=len(data), n_train_tokens=data.n_tokens)
+    accelerator.wait_for_everyone()
+    return TrainResult(draft, history, out_dir, out_dir / "draft", seconds, metrics)
+
+
+# ----------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def evaluate_data(draft: Eagle3Draft, data: TrainData, target, ttt_steps: int = 7,
+                  batch_size: int = 4, dtype: str = "float32") -> dict:
+    """Per-TTT-step loss and top-1 agreement (draft argmax vs target argmax) over ``data``.
+
+    ``loss_i`` is the per-batch loss weighted by the batch's counted positions.
+    """
+    steps = ttt_steps
+    module = TTTLoss(draft, steps)
+    device = draft.fc.weight.device
+    correct = torch.zeros(steps)
+    counts = torch.zeros(steps)
+    weighted_loss = torch.zeros(steps)
+    was_training = draft.training
+    draft.eval()
+    for start in range(0, len(data), batch_size):
+        batch = make_batch(data, list(range(start, min(start + batch_size, len(data)))),
+                           target, draft, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            output = module(**batch)
+        correct += output.step_correct.cpu().float()
+        counts += output.step_counts.cpu().float()
+        weighted_loss += output.step_losses.cpu().float() * output.step_counts.cpu().float()
+    draft.train(was_training)
+    result = {"n_sequences": len(data), "n_tokens": data.n_tokens}
+    for i in range(steps):
+        result[f"loss_{i}"] = float(weighted_loss[i] / counts[i]) if counts[i] else math.nan
+        result[f"acc_{i}"] = float(correct[i] / counts[i]) if counts[i] else math.nan
+    return result
+
+
+def evaluate_draft(draft: Eagle3Draft, store_eval, target, ttt_steps: int = 7,
+                   batch_size: int = 4, max_seq_len: int | None = None,
+                   max_sequences: int | None = None, dtype: str = "float32") -> dict:
+    """Held-out per-TTT-step top-1 agreement (``acc_i``) and loss (``loss_i``) on a store."""
+    data = load_sequences(store_eval, draft.layer_ids, max_seq_len, max_sequences)
+    return evaluate_data(draft, data, target, ttt_steps, batch_size, dtype)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line, for one process or DDP via ``accelerate launch``:
+
+        accelerate launch -m actwave.eagle3.train --model smollm2-135m \\
+            --store <capture dir> --eval-store <capture dir> --layers 2,15,27 --out <dir> \\
+            --total_steps 2000 --ttt_steps 7 --dtype bfloat16
+    """
+    import argparse
+    import dataclasses
+
+    from accelerate import PartialState
+
+    from actwave.models import load
+    from actwave.store import CaptureStore
+
+    parser = argparse.ArgumentParser(description="Train one EAGLE-3 draft from a capture store.")
+    parser.add_argument("--model", required=True, help="bundled name, HF id or local path")
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--eval-store", default=None)
+    parser.add_argument("--layers", required=True, help="comma-separated layer ids, e.g. 2,15,27")
+    parser.add_argument("--out", required=True)
+    scalar_fields = [f for f in dataclasses.fields(TrainConfig)
+                     if f.name not in ("layer_ids", "betas")]
+    for f in scalar_fields:
+        parser.add_argument(f"--{f.name}", type=type(f.default), default=None)
+    args = parser.parse_args(argv)
+    overrides = {f.name: getattr(args, f.name) for f in scalar_fields
+                 if getattr(args, f.name) is not None}
+    config = TrainConfig(layer_ids=tuple(int(i) for i in args.layers.split(",")), **overrides)
+    target, _ = load(args.model, device=str(PartialState().device))
+    train_draft(CaptureStore(args.store), target, config, args.out,
+                eval_store=CaptureStore(args.eval_store) if args.eval_store else None)
+
+
+if __name__ == "__main__":
+    main()
