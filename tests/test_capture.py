@@ -85,3 +85,11 @@ def test_forward_with_states_orders_layers(any_tiny_model):
 def test_layer_out_of_range_is_refused():
     with pytest.raises(ValueError, match="layer index 5 out of range.*0..4"):
         capture.forward_with_states(tiny_model(), (1, 5), torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_target_logits_on_a_vocabulary_subset(any_tiny_model):
+    states = capture.hidden_states(any_tiny_model, torch.randint(0, 128, (1, 6)))
+    vocab_ids = torch.tensor([5, 0, 77, 127])
+    full = capture.target_logits(any_tiny_model, states[-1])
+    torch.testing.assert_close(capture.target_logits(any_tiny_model, states[-1], vocab_ids),
+                               full[..., vocab_ids])

@@ -67,13 +67,21 @@ def hidden_states(model, input_ids: torch.Tensor,
     return _stack_states(outputs, last)
 
 
-def target_logits(model, last_prenorm: torch.Tensor) -> torch.Tensor:
-    """The target's logits from its ℓ=N state: (..., D) -> (..., V).
+def target_logits(model, last_prenorm: torch.Tensor,
+                  vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's logits from its ℓ=N state: (..., D) -> (..., V), or (..., len(vocab_ids)).
 
     Applies the final norm, the LM head and (Gemma-2 style) logit soft-capping, so stored
-    ℓ=N states give back the target's distribution without storing logits.
+    ℓ=N states give back the target's distribution without storing logits. ``vocab_ids``
+    computes only those rows of the head (a draft vocabulary: 8-32k of 49-262k rows).
     """
-    logits = model.get_output_embeddings()(final_norm(model)(last_prenorm))
+    head = model.get_output_embeddings()
+    normed = final_norm(model)(last_prenorm)
+    if vocab_ids is None:
+        logits = head(normed)
+    else:
+        bias = None if head.bias is None else head.bias[vocab_ids]
+        logits = torch.nn.functional.linear(normed, head.weight[vocab_ids], bias)
     cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap

@@ -159,12 +159,12 @@ def target_draft_probs(target, last_states: torch.Tensor, vocab_ids: torch.Tenso
     """Target next-token probs over the draft vocab, renormalised, fp32.
 
     last_states: (B, L, D) ℓ=N states; vocab_ids: (V_draft,) target ids -> (B, L, V_draft).
-    Row by row so the full-vocabulary logits of only one sequence exist at a time.
+    Only the draft vocabulary's rows of the LM head are computed.
     """
     weight = target.get_output_embeddings().weight
-    rows = [target_logits(target, row.to(device=weight.device, dtype=weight.dtype))[..., vocab_ids]
-            for row in last_states]
-    return torch.softmax(torch.stack(rows).float(), dim=-1)
+    logits = target_logits(target, last_states.to(device=weight.device, dtype=weight.dtype),
+                           vocab_ids.to(weight.device))
+    return torch.softmax(logits.float(), dim=-1)
 
 
 def make_batch(data: TrainData, indices: list[int], target, draft: Eagle3Draft,
