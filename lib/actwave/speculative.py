@@ -1,0 +1,263 @@
+"""Speculative decoding with an EAGLE-3 draft: chain or EAGLE-2 dynamic tree, batch 1.
+
+One round (EAGLE, Li et al. 2024/2025; loop structure after gpt-fast's
+``speculative_decode``):
+
+1. *catch-up*: the draft runs over the positions the target just verified, with the true
+   fused target states, extending its cache (its cache only ever holds rows built from
+   target features); its last row proposes the root's children.
+2. *draft*: ``tree.build_tree`` grows a chain (top-1, ``depth`` tokens) or an EAGLE-2
+   tree; expansion rows are dropped from the draft cache afterwards.
+3. *verify*: one target forward over [root; tree nodes] with the tree attention mask
+   and per-node positions L + depth, returning logits and the draft's layer states.
+4. *accept*: greedy — the longest path whose every token equals the target argmax at its
+   parent, then the bonus token = argmax after the last accepted node; sampling —
+   recursive rejection sampling without replacement down the tree (exact in law).
+   The target cache keeps the rows of the accepted path, in order.
+
+τ = tokens emitted by verification rounds / verification rounds (bonus included, the
+prefill token excluded), as in EAGLE's evaluation.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from actwave.capture import forward_with_states
+from actwave.tree import DraftTree, build_tree, target_tree_mask
+
+MODES = ("tree", "chain")
+
+
+@dataclass
+class SpecResult:
+    """tokens: new ids (stopping at and including EOS); accept_counts[a] = rounds that
+    accepted a draft tokens; timings in seconds: prefill, draft, verify, total."""
+
+    tokens: list[int]
+    tau: float
+    accept_counts: list[int]
+    target_forwards: int
+    draft_forwards: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class GreedyResult:
+    """Plain greedy decoding: new ids and timings (prefill, decode, total seconds)."""
+
+    tokens: list[int]
+    target_forwards: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class _Clock:
+    """Wall-clock sections; synchronises CUDA so device work is timed, not queued."""
+
+    def __init__(self, device: torch.device, sections: tuple[str, ...]):
+        self.device, self.totals = device, Counter({section: 0.0 for section in sections})
+        self.start = self._now()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, section: str, since: float) -> float:
+        now = self._now()
+        self.totals[section] += now - since
+        return now
+
+    def finish(self) -> dict[str, float]:
+        return {**self.totals, "total": self._now() - self.start}
+
+
+def _check_inputs(input_ids, max_new_tokens: int) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a (1, T) tensor of token ids, got "
+                         f"{type(input_ids).__name__} {tuple(getattr(input_ids, 'shape', ()))}")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"only batch size 1 is supported, got input_ids of shape {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("empty prompt: input_ids must hold at least one token")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+
+
+def _check_settings(mode: str, depth: int, top_k: int, total_tokens: int, temperature: float) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for name, value, low in (("depth", depth, 1), ("top_k", top_k, 1), ("total_tokens", total_tokens, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if not temperature >= 0.0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+
+
+def _finish_tokens(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """Cut at max_new_tokens and after the first stop token."""
+    tokens = tokens[:max_new_tokens]
+    stop = next((i for i, token in enumerate(tokens) if token in eos), None)
+    return tokens if stop is None else tokens[: stop + 1]
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator) -> int:
+    """Argmax (T=0) or a draw from softmax(logits / T): logits (V,)."""
+    if temperature == 0.0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def keep_cache_rows(cache: DynamicCache, start: int, rows: torch.Tensor) -> None:
+    """Keep cache positions [0, start) followed by start + rows (in that order), every layer.
+
+    Moves only the kept tree rows into place and slices: no copy of the committed prefix.
+    """
+    end = start + len(rows)
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name)  # (B, heads, L + n, head_dim)
+            tensor[..., start:end, :] = tensor[..., start + rows.to(tensor.device), :]
+            setattr(layer, name, tensor[..., :end, :])
+
+
+def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
+    """Longest path matching the target argmax at each parent -> (node path from root, bonus)."""
+    target_next = target_logits.argmax(-1).tolist()  # (n,) target's choice after each node
+    tokens = tree.tokens.tolist()
+    path = [0]
+    while True:
+        match = [c for c in tree.children[path[-1]] if tokens[c] == target_next[path[-1]]]
+        if not match:
+            return path, target_next[path[-1]]
+        path.append(match[0])
+
+
+def accept_sampling(tree: DraftTree, target_logits: torch.Tensor, draft, temperature: float,
+                    generator) -> tuple[list[int], int]:
+    """Recursive rejection sampling without replacement (Jeon et al. 2024) down the tree.
+
+    At an accepted node with target probs p and children x_1.. drawn without replacement
+    from the draft's q: accept x_i with prob min(1, p(x_i)/q(x_i)); on rejection
+    p ← norm(max(p − q, 0)) and q ← q with x_i removed, renormalised. If no child is
+    accepted, the next token is drawn from the residual p. Output ~ target distribution.
+    """
+    tokens = tree.tokens.tolist()
+    target_probs = torch.softmax(target_logits.float() / temperature, dim=-1)  # (n, V)
+    path = [0]
+    while True:
+        node = path[-1]
+        p = target_probs[node]
+        chosen = None
+        if tree.children[node]:
+            q = torch.zeros_like(p)
+            row_q = tree.child_logq[node].exp()  # (V_draft,)
+            q[draft.draft_to_target(torch.arange(len(row_q), device=row_q.device))] = row_q
+            for child in tree.children[node]:
+                token = tokens[child]
+                u = torch.rand((), generator=generator, device=p.device)
+                if u * q[token] < p[token]:
+                    chosen = child
+                    break
+                p, q = _residual(p, q), q.clone()
+                q[token] = 0.0
+                q = q / q.sum().clamp_min(1e-30)
+        if chosen is None:
+            return path, int(torch.multinomial(p, 1, generator=generator))
+        path.append(chosen)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(p − q, 0)); p itself when p ≤ q everywhere (rejection then had prob 0)."""
+    residual = (p - q).clamp_min(0.0)
+    total = residual.sum()
+    return residual / total if total > 0 else p
+
+
+@torch.no_grad()
+def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *, mode: str = "tree",
+             depth: int = 6, top_k: int = 8, total_tokens: int = 32, temperature: float = 0.0,
+             eos_token_ids: Sequence[int] = (), seed: int = 0) -> SpecResult:
+    """Speculative decoding of ``input_ids`` (1, T) with an EAGLE-3 ``draft`` of ``target``.
+
+    mode "chain": ``depth`` draft tokens per round (top-1 / one draw each); "tree": EAGLE-2
+    dynamic tree, ``top_k`` children per expanded node, ``depth`` levels,
+    ``total_tokens`` tree tokens including the root. temperature 0: output equals greedy
+    decoding of the target; > 0: output is distributed as the target's sampling.
+    """
+    _check_inputs(input_ids, max_new_tokens)
+    _check_settings(mode, depth, top_k, total_tokens, temperature)
+    draft.check_target(target)
+    if mode == "chain":
+        top_k, total_tokens = 1, depth + 1
+    device, eos = input_ids.device, set(int(t) for t in eos_token_ids)
+    generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
+    clock = _Clock(device, ("prefill", "draft", "verify"))
+    target_cache, draft_cache = DynamicCache(), DynamicCache()
+    logits, states, _ = forward_with_states(target, draft.layer_ids, input_ids,
+                                            cache=target_cache)
+    tokens = [_pick(logits[0, -1], temperature, generator)]
+    committed = input_ids.shape[1]  # tokens in the target cache; the root sits here
+    pending_ids, pending_start = input_ids[0, 1:].tolist() + tokens, 0
+    accepted: Counter = Counter()
+    draft_forwards = 0
+    tick = clock.lap("prefill", clock.start)
+    while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+        positions = torch.arange(pending_start, committed, device=device)[None]
+        hidden = draft.fuse(states.to(draft.fc.weight.dtype))  # (1, m, H)
+        out = draft(torch.tensor([pending_ids], device=device), hidden, positions, None, draft_cache)
+        tree, expansions = build_tree(draft, draft_cache, tokens[-1], out.logits[0, -1],
+                                      out.hidden[0, -1], depth=depth, top_k=top_k,
+                                      total_tokens=total_tokens, temperature=temperature,
+                                      generator=generator)
+        draft_forwards += 1 + expansions
+        tick = clock.lap("draft", tick)
+        mask = target_tree_mask(tree, committed, target.config.get_text_config(), logits.dtype)
+        logits, states, _ = forward_with_states(
+            target, draft.layer_ids, tree.tokens[None], cache=target_cache,
+            position_ids=(committed + tree.depths)[None], attention_mask=mask)
+        if temperature == 0.0:
+            path, next_token = accept_greedy(tree, logits[0])
+        else:
+            path, next_token = accept_sampling(tree, logits[0], draft, temperature, generator)
+        path_rows = torch.tensor(path, device=device)
+        keep_cache_rows(target_cache, committed, path_rows)
+        states = states[:, path_rows]  # (1, a+1, k·D) target features of the accepted path
+        new_tokens = tree.tokens[path_rows[1:]].tolist() + [next_token]
+        accepted[len(path) - 1] += 1
+        pending_ids, pending_start = new_tokens, committed
+        committed += len(path)
+        tokens += new_tokens
+        tick = clock.lap("verify", tick)
+    tokens = _finish_tokens(tokens, max_new_tokens, eos)
+    rounds = sum(accepted.values())
+    histogram = [accepted[a] for a in range(max(accepted, default=-1) + 1)]
+    return SpecResult(tokens=tokens, tau=(len(tokens) - 1) / rounds if rounds else float("nan"),
+                      accept_counts=histogram, target_forwards=1 + rounds,
+                      draft_forwards=draft_forwards, timings=clock.finish())
+
+
+@torch.no_grad()
+def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int,
+                    eos_token_ids: Sequence[int] = ()) -> GreedyResult:
+    """Plain greedy decoding with a KV cache, one target forward per token (the baseline)."""
+    _check_inputs(input_ids, max_new_tokens)
+    eos = set(int(t) for t in eos_token_ids)
+    clock = _Clock(input_ids.device, ("prefill", "decode"))
+    cache = DynamicCache(config=target.config)  # HF's own cache (sliding layers where used)
+    logits = target(input_ids=input_ids, cache=cache, use_cache=True,
+                    logits_to_keep=1).logits
+    tokens = [int(logits[0, -1].argmax())]
+    tick = clock.lap("prefill", clock.start)
+    while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+        step = torch.tensor([[tokens[-1]]], device=input_ids.device)
+        logits = target(input_ids=step, cache=cache, use_cache=True).logits
+        tokens.append(int(logits[0, -1].argmax()))
+    clock.lap("decode", tick)
+    return GreedyResult(tokens=tokens, target_forwards=len(tokens), timings=clock.finish())

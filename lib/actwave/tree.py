@@ -1,0 +1,214 @@
+"""EAGLE-2 dynamic draft trees (Li et al. 2024, arXiv 2406.16858) and their attention masks.
+
+The draft grows a tree below the root (the last committed token, not yet seen by the
+target): level 1 comes from the draft's catch-up pass over target features, each later
+level from one draft forward over the ``top_k`` best frontier nodes, each proposing
+``top_k`` children. All proposed nodes compete for the ``total_tokens − 1`` tree slots.
+
+Node ranking. Greedy (temperature 0): EAGLE-2's cumulative draft log-probability of the
+node. Sampling: children are drawn *without replacement* from the draft distribution
+(Gumbel-top-k gives them in sequential-draw order) and nodes are ranked by their
+*parent's* cumulative log-prob, then draw order. Every keep/expand decision about a
+sibling group is then fixed before its values are drawn and always keeps a prefix of the
+draws — what recursive rejection sampling without replacement (Jeon et al. 2024,
+arXiv 2402.14160) needs to preserve the target distribution.
+
+Positions follow EAGLE: the root sits at the committed length ``L``, a node at depth d at
+``L + d``; the draft row that expands a depth-d node uses position ``L − 1 + d`` (its
+input token is the node, its hidden is the draft output that proposed the node).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A verified-ready draft tree; node 0 is the root, parents precede children.
+
+    tokens: (n,) target ids; depths: (n,); parents[i] (−1 for the root); children[i] in
+    rank / draw order; child_logq[i]: (V_draft,) draft log-probs from which node i's
+    children were chosen (only for expanded nodes).
+    """
+
+    tokens: torch.Tensor
+    depths: torch.Tensor
+    parents: list[int]
+    children: list[list[int]]
+    child_logq: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+
+def ancestor_mask(parents: list[int], device=None) -> torch.Tensor:
+    """(n, n) bool: [i, j] True iff node j is node i or one of its ancestors."""
+    n = len(parents)
+    allowed = torch.eye(n, dtype=torch.bool)
+    for node in range(1, n):  # parents precede children: row of the parent is complete
+        allowed[node] |= allowed[parents[node]]
+    return allowed.to(device)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool (T, S), True = attend -> additive float mask (1, 1, T, S)."""
+    blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+    return torch.where(allowed, torch.zeros((), dtype=dtype, device=allowed.device),
+                       blocked)[None, None]
+
+
+def target_tree_mask(tree: DraftTree, cache_len: int, config, dtype: torch.dtype):
+    """Additive mask for verifying ``tree`` on top of ``cache_len`` cached tokens.
+
+    -> (1, 1, n, cache_len + n), or for models with sliding-window layers (Gemma3, some
+    Qwen) a dict {"full_attention": ..., "sliding_attention": ...} which HF models accept
+    as a precomputed mapping; the window rule is HF's: query − key position < window.
+    """
+    device = tree.tokens.device
+    n = len(tree)
+    allowed = torch.cat([torch.ones(n, cache_len, dtype=torch.bool, device=device),
+                         ancestor_mask(tree.parents, device)], dim=1)  # (n, L + n)
+    full = additive_mask(allowed, dtype)
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if "sliding_attention" not in layer_types:
+        return full
+    query_pos = cache_len + tree.depths  # (n,)
+    key_pos = torch.cat([torch.arange(cache_len, device=device), query_pos])  # (L + n,)
+    in_window = (query_pos[:, None] - key_pos[None, :]) < config.sliding_window
+    return {"full_attention": full, "sliding_attention": additive_mask(allowed & in_window, dtype)}
+
+
+def choose_children(logits: torch.Tensor, top_k: int, temperature: float,
+                    generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Children of one node from draft logits (V_draft,).
+
+    -> (draft ids (k,), their log-probs (k,), log-probs of the whole row (V_draft,)).
+    Greedy: the top-k of log_softmax(logits). Sampling: k draws without replacement from
+    softmax(logits / T) by Gumbel-top-k, in draw order; never a zero-probability token.
+    """
+    if temperature == 0.0:
+        row_logq = torch.log_softmax(logits.float(), dim=-1)
+        logq, ids = row_logq.topk(min(top_k, row_logq.numel()))
+        return ids, logq, row_logq
+    row_logq = torch.log_softmax(logits.float() / temperature, dim=-1)
+    uniform = torch.rand(row_logq.shape, generator=generator, device=row_logq.device)
+    gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)))
+    k = min(top_k, int(torch.isfinite(row_logq).sum()))
+    ids = (row_logq + gumbel).topk(k).indices
+    return ids, row_logq[ids], row_logq
+
+
+class _Candidates:
+    """Growing list of proposed nodes (index 0 = root) with their ranking keys."""
+
+    def __init__(self, root_token: int, sampling: bool):
+        self.tokens, self.parents, self.depths = [root_token], [-1], [0]
+        self.scores, self.keys = [0.0], [(float("inf"),)]
+        self.children: list[list[int]] = [[]]
+        self.sampling = sampling
+
+    def add(self, parent: int, tokens: list[int], logq: list[float]) -> list[int]:
+        new = []
+        for rank, (token, node_logq) in enumerate(zip(tokens, logq)):
+            index = len(self.tokens)
+            score = self.scores[parent] + node_logq
+            depth = self.depths[parent] + 1
+            primary = self.scores[parent] if self.sampling else score
+            self.keys.append((primary, -rank, -depth, -index))
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depths.append(depth)
+            self.scores.append(score)
+            self.children.append([])
+            new.append(index)
+        return new
+
+    def best(self, nodes: list[int], count: int) -> list[int]:
+        return sorted(nodes, key=lambda node: self.keys[node], reverse=True)[:count]
+
+    def select(self, count: int) -> list[int]:
+        """The ``count`` best non-root nodes whose ancestors are all kept, in index order."""
+        kept = {0}
+        for node in self.best(list(range(1, len(self.tokens))), len(self.tokens)):
+            if len(kept) > count:
+                break
+            if self.parents[node] in kept:
+                kept.add(node)
+        return sorted(kept)
+
+
+def _draft_rows_mask(candidates: _Candidates, frontier: list[int], row_of: dict[int, int],
+                     cache_len: int, rows_before: int, device, dtype) -> torch.Tensor:
+    """Mask for expanding ``frontier``: target-feature rows + own ancestors' expansion rows."""
+    total = cache_len + rows_before + len(frontier)
+    allowed = torch.zeros(len(frontier), total, dtype=torch.bool)
+    allowed[:, :cache_len] = True
+    for i, node in enumerate(frontier):
+        allowed[i, cache_len + rows_before + i] = True
+        ancestor = candidates.parents[node]
+        while ancestor > 0:
+            allowed[i, row_of[ancestor]] = True
+            ancestor = candidates.parents[ancestor]
+    return additive_mask(allowed.to(device), dtype)
+
+
+def _propose(candidates: _Candidates, draft, parent: int, logits: torch.Tensor, top_k: int,
+             temperature: float, generator, child_logq: dict) -> list[int]:
+    ids, logq, row_logq = choose_children(logits, top_k, temperature, generator)
+    child_logq[parent] = row_logq
+    tokens = draft.draft_to_target(ids).tolist()
+    return candidates.add(parent, tokens, logq.tolist())
+
+
+@torch.no_grad()
+def build_tree(draft, draft_cache, root_token: int, root_logits: torch.Tensor,
+               root_hidden: torch.Tensor, *, depth: int, top_k: int, total_tokens: int,
+               temperature: float = 0.0, generator: torch.Generator | None = None
+               ) -> tuple[DraftTree, int]:
+    """Grow an EAGLE-2 tree below ``root_token``; -> (tree, number of draft forwards).
+
+    root_logits: (V_draft,) and root_hidden: (H,) from the draft's catch-up row at the
+    last committed position; ``draft_cache`` holds exactly the target-feature rows
+    (length L = the root's position) and is returned to that length.
+    """
+    cache_len = draft_cache.get_seq_length()
+    device, dtype = root_hidden.device, root_hidden.dtype
+    candidates = _Candidates(root_token, sampling=temperature > 0.0)
+    child_logq: dict[int, torch.Tensor] = {}
+    frontier = _propose(candidates, draft, 0, root_logits, top_k, temperature, generator, child_logq)
+    frontier_hidden = root_hidden.expand(len(frontier), -1)  # (f, H)
+    row_of: dict[int, int] = {}
+    forwards = 0
+    for _ in range(depth - 1):
+        rows_before = draft_cache.get_seq_length() - cache_len
+        mask = _draft_rows_mask(candidates, frontier, row_of, cache_len, rows_before, device, dtype)
+        positions = torch.tensor([cache_len - 1 + candidates.depths[n] for n in frontier], device=device)
+        input_ids = torch.tensor([candidates.tokens[n] for n in frontier], device=device)
+        out = draft(input_ids[None], frontier_hidden[None], positions[None], mask, draft_cache)
+        forwards += 1
+        proposer: dict[int, int] = {}  # new node -> row of this forward that proposed it
+        for i, node in enumerate(frontier):
+            row_of[node] = cache_len + rows_before + i
+            for child in _propose(candidates, draft, node, out.logits[0, i], top_k, temperature,
+                                  generator, child_logq):
+                proposer[child] = i
+        frontier = candidates.best(list(proposer), top_k)
+        frontier_hidden = out.hidden[0, [proposer[node] for node in frontier]]  # (f, H)
+    draft_cache.crop(cache_len - draft_cache.get_seq_length())
+    return _finalise(candidates, candidates.select(total_tokens - 1), child_logq, device), forwards
+
+
+def _finalise(candidates: _Candidates, kept: list[int], child_logq: dict, device) -> DraftTree:
+    """Re-index the kept candidates 0..n−1 (index order keeps parents first)."""
+    new_index = {old: new for new, old in enumerate(kept)}
+    parents = [new_index.get(candidates.parents[old], -1) for old in kept]
+    children: list[list[int]] = [[] for _ in kept]
+    for old in kept[1:]:  # candidate index order = rank / draw order within a sibling group
+        children[new_index[candidates.parents[old]]].append(new_index[old])
+    return DraftTree(
+        tokens=torch.tensor([candidates.tokens[old] for old in kept], device=device),
+        depths=torch.tensor([candidates.depths[old] for old in kept], device=device),
+        parents=parents, children=children,
+        child_logq={new_index[old]: logq for old, logq in child_logq.items() if old in new_index})

@@ -1,0 +1,159 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 07 — Speculative decoding: τ and speedup per layer set, and does the proxy predict τ?
+#
+# Every draft trained by notebook 06 (`results/<profile>/06_drafts.json`: model → label →
+# draft folder under the cache dir) decodes MT-bench (both turns), HumanEval and held-out
+# ShareGPT prompts with its target at temperature 0 (`actwave.speculative.generate`,
+# EAGLE-2 dynamic tree). In the same run and on the same prompts: our plain greedy
+# decoding (the speedup baseline and exactness reference), HF `generate` greedy and HF
+# prompt-lookup decoding. τ = tokens emitted / verification rounds (bonus included);
+# speedup = tokens/s ÷ our greedy tokens/s; 95% bootstrap CIs over prompts
+# (`actwave.evaluate`). Raw per-prompt records are saved beside the tables, and a rerun
+# resumes from them.
+#
+# Then: measured τ against the selection scores of notebook 05 (`05_selection.csv`), with
+# Spearman and Kendall rank correlations over all trained drafts, and the acceptance rate
+# per draft position.
+
+# %% tags=["parameters"]
+profile = "cpu"
+train_models = "smollm2-135m"  # models with drafts from notebook 06
+device = "cpu"
+dtype = "float32"
+benchmarks = "mtbench,humaneval,sharegpt"
+n_prompts = 5
+max_turns = 2
+max_new_tokens = 128
+max_prompt_tokens = 1024
+mode = "tree"
+depth = 6
+top_k = 8
+total_tokens = 32
+peers = True
+n_bootstrap = 1000
+seed = 0
+
+# %%
+import json
+import logging
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+import torch
+
+from actwave import evaluate, plots
+from actwave import models as model_zoo
+from actwave.config import repo_root
+
+logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+logging.getLogger("actwave").setLevel(logging.INFO)
+NOTEBOOK = "07_speculative"
+results_dir = repo_root() / "results" / profile
+model_names = [name.strip() for name in train_models.split(",") if name.strip()]
+config = evaluate.EvalConfig(
+    dtype=dtype, benchmarks=tuple(b.strip() for b in benchmarks.split(",") if b.strip()),
+    n_prompts=n_prompts, max_turns=max_turns, max_new_tokens=max_new_tokens,
+    max_prompt_tokens=max_prompt_tokens, mode=mode, depth=depth, top_k=top_k,
+    total_tokens=total_tokens, peers=peers, n_bootstrap=n_bootstrap, seed=seed)
+draft_dirs = json.loads((results_dir / "06_drafts.json").read_text())
+missing = [name for name in model_names if name not in draft_dirs]
+assert not missing, f"06_drafts.json has no drafts for {missing}: run notebook 06"
+plots.setup_style()
+config, {name: draft_dirs[name] for name in model_names}
+
+# %% [markdown]
+# ## Decoding runs (one per model; all methods side by side on each prompt)
+
+# %%
+runs, layer_sets = {}, {}
+for name in model_names:
+    target, tokenizer = model_zoo.load(name, dtype=getattr(torch, dtype), device=device)
+    drafts = evaluate.load_drafts(target, draft_dirs[name])
+    layer_sets[name] = {label: tuple(draft.layer_ids) for label, draft in drafts.items()}
+    runs[name] = evaluate.evaluate(
+        target, tokenizer, drafts, evaluate.EvalConfig(**{**vars(config), "model": name}),
+        model_zoo.stop_token_ids(tokenizer, name), out_dir=results_dir, run_name=f"{NOTEBOOK}_records_{name}")
+    del target, drafts
+
+# %% [markdown]
+# ## Main table: τ and speedup (95% CI) per layer set and benchmark, with the peer rows
+# `exact_match_rate` in the long table: share of prompts whose output equals our greedy.
+
+# %%
+summary = pd.concat([run["summary"].assign(model=name) for name, run in runs.items()])
+plots.save_table(summary, f"{NOTEBOOK}_summary", NOTEBOOK, results_dir,
+                 sort_by=["model", "benchmark", "method"])
+main = pd.concat([evaluate.main_table(run["summary"], layer_sets[name]).assign(model=name)
+                  for name, run in runs.items()])
+main = main[["model"] + [c for c in main.columns if c != "model"]]
+plots.save_table(main, f"{NOTEBOOK}_main", NOTEBOOK, results_dir, sort_by=["model", "method"])
+main
+
+# %% [markdown]
+# ## Does the selection score predict τ?
+# Scores of each trained draft's layer set (notebook 05, per token-filter setting) against
+# its τ pooled over benchmarks; rank correlations per model and pooled ("all": ranks taken
+# within each model first). A handful of drafts per model: read the p-values.
+
+# %%
+taus = pd.DataFrame([{"model": name, "method": row.method,
+                      "layers": layer_sets[name][row.method], "tau": row.tau}
+                     for name, run in runs.items()
+                     for row in run["summary"].itertuples()
+                     if row.benchmark == "all" and row.method in layer_sets[name]])
+selection_path = results_dir / "05_selection.csv"
+if selection_path.exists():
+    joined, correlations = evaluate.tau_vs_scores(taus, evaluate.read_selection_scores(selection_path))
+else:
+    logging.warning("%s missing: run notebook 05 for the score correlations", selection_path)
+    joined, correlations = taus.iloc[:0].assign(setting="", score="", value=0.0), pd.DataFrame()
+if not correlations.empty:
+    plots.save_table(correlations, f"{NOTEBOOK}_tau_vs_score", NOTEBOOK, results_dir,
+                     sort_by=["model", "setting", "score"])
+correlations
+
+# %%
+shown = joined[~joined["score"].str.endswith("_pct")]
+if not shown.empty:
+    grid = sns.relplot(data=shown, x="value", y="tau", hue="method", style="model",
+                       col="score", row="setting", kind="scatter", height=2.6,
+                       facet_kws={"sharex": False})
+    grid.set_titles("{row_name} · {col_name}")
+    grid.set_axis_labels("selection score", "τ (all benchmarks)")
+    grid.figure.suptitle("measured τ vs selection score per trained draft", y=1.02)
+    plots.save_figure(grid.figure, f"{NOTEBOOK}_tau_vs_score", NOTEBOOK)
+
+# %% [markdown]
+# ## Acceptance per draft position
+# `reach`: share of verification rounds that accepted at least i draft tokens;
+# `conditional`: P(accept ≥ i | accept ≥ i − 1).
+
+# %%
+acceptance = pd.concat([run["acceptance"].assign(model=name) for name, run in runs.items()])
+plots.save_table(acceptance, f"{NOTEBOOK}_acceptance", NOTEBOOK, results_dir,
+                 sort_by=["model", "benchmark", "method", "position"])
+for name in model_names:
+    subset = acceptance[acceptance["model"] == name].melt(
+        id_vars=["benchmark", "method", "position"], value_vars=["reach", "conditional"],
+        var_name="rate", value_name="value")
+    grid = sns.relplot(data=subset, x="position", y="value", hue="method", col="benchmark",
+                       row="rate", kind="line", marker="o", height=2.6)
+    grid.set_titles("{col_name} · {row_name}")
+    grid.set(ylim=(0, 1.02))
+    grid.set_axis_labels("draft position i", "acceptance")
+    grid.figure.suptitle(f"{name}: acceptance per draft position", y=1.02)
+    plots.save_figure(grid.figure, f"{NOTEBOOK}_acceptance_{name}", NOTEBOOK)
+    plt.close(grid.figure)
