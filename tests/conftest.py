@@ -37,6 +37,17 @@ def any_tiny_model(request):
     return tiny_model(request.param)
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
+def target(request):
+    """One tiny target per architecture, shared by a test module (tests must not mutate it)."""
+    return tiny_model(request.param)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real bundled SmolLM2-135M (dequantised once into the test cache)."""

@@ -14,16 +14,6 @@ LAYER_IDS = (1, 2, 3)  # SGLang can serve these (not ℓ = N = 4)
 VLLM_LAYER_IDS = (1, 2, 4)  # vLLM also takes ℓ = N, the last block output
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
-def target(request):
-    return tiny_model(request.param)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
 def trained_looking_draft(target, layer_ids=LAYER_IDS):
     """An untrained draft with non-default norms, so every tensor's export is exercised."""
     torch.manual_seed(1)

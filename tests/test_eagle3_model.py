@@ -8,16 +8,6 @@ from actwave.eagle3 import Eagle3Config, Eagle3Draft, build_draft_vocab, coverag
 from actwave.eagle3.model import RotaryEmbedding
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
-def target(request):
-    return tiny_model(request.param)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
 def make_draft(target, layer_ids=(1, 2, 4), draft_vocab_size=48):
     torch.manual_seed(1)
     return Eagle3Draft.from_target(target, layer_ids, draft_vocab_size=draft_vocab_size).eval()
