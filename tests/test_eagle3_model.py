@@ -156,7 +156,7 @@ def test_tree_mask_on_cache_matches_sequential_branch(llama):
     """Prefix in the cache, then two sibling branches in one pass with a tree mask."""
     draft = make_draft(llama)
     input_ids, hidden, _ = random_inputs(batch=1, steps=6)
-    prefix, branch_a, branch_b = slice(0, 3), slice(3, 5), slice(5, 6)
+    prefix, branch_b = slice(0, 3), slice(5, 6)  # branch a is positions 3..4
     positions = torch.tensor([[0, 1, 2, 3, 4, 3]])  # branch b sits at depth 1 like a[0]
     allowed = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
     tree_mask = additive(torch.cat([torch.ones(3, 3, dtype=torch.bool), allowed], 1))

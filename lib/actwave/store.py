@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -36,7 +36,7 @@ from safetensors.torch import save as save_tensors
 from tqdm import tqdm
 
 from actwave import data as data_mod
-from actwave.capture import entropy_and_argmax, hidden_states
+from actwave.capture import entropy_and_argmax, hidden_states, validate_layers
 from actwave.config import (artifact_dir, atomic_write_bytes, atomic_write_json, config_hash,
                             package_versions, to_jsonable)
 from actwave.models import DTYPES, load, num_layers
@@ -242,11 +242,25 @@ class CaptureStore:
         if require_complete and not self.complete:
             raise ValueError(f"capture at {self.path} is incomplete; run run_capture again to resume")
 
-    complete = property(lambda self: bool(self.manifest.get("complete")))
-    num_layers = property(lambda self: int(self.manifest["num_layers"]))
-    hidden_size = property(lambda self: int(self.manifest["hidden_size"]))
-    n_tokens = property(lambda self: int(self.manifest["n_tokens"]))
-    config_hash = property(lambda self: self.manifest["config_hash"])
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.manifest["num_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.manifest["hidden_size"])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.manifest["n_tokens"])
+
+    @property
+    def config_hash(self) -> str:
+        return self.manifest["config_hash"]
 
     def _open(self, shard: dict):
         path = self.path / shard["file"]
@@ -258,7 +272,6 @@ class CaptureStore:
     def iter_shards(self, layers: Sequence[int] | None = None,
                     columns: Sequence[str] = ("entropy", "special", "loss_mask")) -> Iterator[dict]:
         """Per shard: {"hidden": (L_sel, n, D) in storage dtype, plus the named columns}."""
-        from actwave.capture import validate_layers
         layer_ids = validate_layers(range(self.num_layers + 1) if layers is None else layers,
                                     self.num_layers)
         for shard in self.manifest["shards"]:
