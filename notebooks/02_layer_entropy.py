@@ -50,9 +50,9 @@ logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)
 NOTEBOOK = "02_layer_entropy"
 model_names = [name.strip() for name in models.split(",") if name.strip()]
-captures = {name: store.CaptureConfig(
-    model=name, split="analysis", n_sequences=analysis_sequences, max_seq_len=max_seq_len,
-    batch_size=capture_batch_size, dtype=capture_dtype, seed=seed) for name in model_names}
+captures = store.analysis_captures(
+    model_names, n_sequences=analysis_sequences, max_seq_len=max_seq_len,
+    batch_size=capture_batch_size, dtype=capture_dtype, seed=seed)
 settings = analysis.token_settings(filter_quantile, max_tokens=max_tokens or None, seed=seed,
                                    with_special=True)
 results_dir = repo_root() / "results" / profile
@@ -65,9 +65,8 @@ captures, settings
 # blocks are dropped here, this notebook needs only the per-layer numbers.
 
 # %%
-stats = {(name, label): analysis.compute_layer_stats(
-             store.open_store(captures[name]), config, device=device).without_cov()
-         for name in model_names for label, config in settings.items()}
+stats = analysis.per_layer_stats(
+    {name: store.open_store(config) for name, config in captures.items()}, settings, device)
 num_layers = {name: max(stats[(name, "all tokens")].layers) for name in model_names}
 default_layers = {name: selection.eagle3_default(n) for name, n in num_layers.items()}
 default_layers

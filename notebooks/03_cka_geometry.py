@@ -47,9 +47,9 @@ logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)
 NOTEBOOK = "03_cka_geometry"
 model_names = [name.strip() for name in models.split(",") if name.strip()]
-captures = {name: store.CaptureConfig(
-    model=name, split="analysis", n_sequences=analysis_sequences, max_seq_len=max_seq_len,
-    batch_size=capture_batch_size, dtype=capture_dtype, seed=seed) for name in model_names}
+captures = store.analysis_captures(
+    model_names, n_sequences=analysis_sequences, max_seq_len=max_seq_len,
+    batch_size=capture_batch_size, dtype=capture_dtype, seed=seed)
 settings = analysis.token_settings(filter_quantile, max_tokens=max_tokens or None, seed=seed,
                                    with_special=True)
 cka_kinds = {"debiased": True, "biased": False}
@@ -61,9 +61,8 @@ captures, settings
 # ## Layer statistics (cached by notebook 02's calls; covariance blocks dropped)
 
 # %%
-stats = {(name, label): analysis.compute_layer_stats(
-             store.open_store(captures[name]), config, device=device).without_cov()
-         for name in model_names for label, config in settings.items()}
+stats = analysis.per_layer_stats(
+    {name: store.open_store(config) for name, config in captures.items()}, settings, device)
 default_layers = {name: selection.eagle3_default(max(stats[(name, "all tokens")].layers))
                   for name in model_names}
 blocks = {(name, label, kind): selection.compartment_layers(

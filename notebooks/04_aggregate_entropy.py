@@ -51,9 +51,9 @@ logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)
 NOTEBOOK = "04_aggregate_entropy"
 model_names = [name.strip() for name in models.split(",") if name.strip()]
-captures = {name: store.CaptureConfig(
-    model=name, split="analysis", n_sequences=analysis_sequences, max_seq_len=max_seq_len,
-    batch_size=capture_batch_size, dtype=capture_dtype, seed=seed) for name in model_names}
+captures = store.analysis_captures(
+    model_names, n_sequences=analysis_sequences, max_seq_len=max_seq_len,
+    batch_size=capture_batch_size, dtype=capture_dtype, seed=seed)
 settings = analysis.token_settings(filter_quantile, max_tokens=max_tokens or None, seed=seed)
 keys = [(name, label) for name in model_names for label in settings]
 results_dir = repo_root() / "results" / profile

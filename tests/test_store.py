@@ -121,3 +121,10 @@ def test_source_values_are_checked():
         store.CaptureConfig(source="web")
     with pytest.raises(ValueError, match="regen_new_tokens=600"):
         store.CaptureConfig(source="regenerated", max_seq_len=512, regen_new_tokens=600)
+
+
+def test_analysis_captures_match_notebook_01_keys():
+    built = store.analysis_captures(["smollm2-135m"], n_sequences=8, max_seq_len=96, seed=0)
+    direct = store.CaptureConfig(model="smollm2-135m", split="analysis", n_sequences=8,
+                                 max_seq_len=96, seed=0)
+    assert store.store_dir(built["smollm2-135m"]) == store.store_dir(direct)

@@ -170,3 +170,13 @@ def compute_layer_stats(store, config: AnalysisConfig, device: str | torch.devic
     stats = _stream_store(store, keep, device, progress)
     save_layer_stats(directory, stats, key, seed=config.seed, token_counts=counts)
     return load_layer_stats(directory, key)
+
+
+def per_layer_stats(stores: dict, settings: dict[str, AnalysisConfig],
+                    device: str | torch.device = "cpu") -> dict[tuple[str, str], LayerStats]:
+    """Cached per-layer statistics, covariance blocks dropped, for every store × token setting.
+
+    stores: {model: CaptureStore}; settings: {label: AnalysisConfig} -> {(model, label): stats}.
+    """
+    return {(name, label): compute_layer_stats(captured, config, device=device).without_cov()
+            for name, captured in stores.items() for label, config in settings.items()}

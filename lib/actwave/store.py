@@ -77,6 +77,11 @@ class CaptureConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+def analysis_captures(model_names, **capture: object) -> dict[str, CaptureConfig]:
+    """{model: the analysis-split CaptureConfig} as notebook 01 builds it (same keys)."""
+    return {name: CaptureConfig(model=name, split="analysis", **capture) for name in model_names}
+
+
 def store_dir(config: CaptureConfig) -> Path:
     safe_model = config.model.replace("/", "--")
     return artifact_dir("capture", config, name=f"{safe_model}-{config.split}")
