@@ -64,9 +64,12 @@ for src in notebooks/[0-9][0-9]_*.py; do
   echo "[$(date +%H:%M:%S)] $name ($PROFILE)"
   $PY -m jupytext --quiet --to ipynb --output ".cache/notebooks/$name.ipynb" "$src"
   start=$(date +%s)
-  $PY -m papermill ".cache/notebooks/$name.ipynb" "$OUT/$name.ipynb" -k python3 \
+  # steplog appends wall time, peak memory of the process tree and cache size to steps.tsv
+  $PY -m actwave.steplog "$OUT/steps.tsv" "$name" -- \
+    $PY -m papermill ".cache/notebooks/$name.ipynb" "$OUT/$name.ipynb" -k python3 \
       --cwd notebooks -f "profiles/$PROFILE.yaml" -p profile "$PROFILE" "${extra[@]}" \
       --log-output --no-progress-bar
   echo "[$(date +%H:%M:%S)] $name done in $(( $(date +%s) - start )) s"
 done
-echo "done: executed notebooks in $OUT/, figures in ${ACTWAVE_FIGURES:-figures}/"
+echo "done: executed notebooks in $OUT/, figures in ${ACTWAVE_FIGURES:-figures}/," \
+     "cost per step in $OUT/steps.tsv"

@@ -37,6 +37,7 @@ max_seq_len = 512
 capture_batch_size = 4
 filter_quantile = 0.5
 max_tokens = 0  # 0 = use every kept token
+stats_matmul_dtype = "float64"  # "float32": ≈2× faster streaming pass on CPU
 k = 3
 greedy_alpha = 1.0  # Rényi order of the greedy aggregate-entropy method (1 = Shannon)
 mrmr_lambda = 1.0
@@ -60,7 +61,8 @@ model_names = [name.strip() for name in models.split(",") if name.strip()]
 captures = store.analysis_captures(
     model_names, n_sequences=analysis_sequences, max_seq_len=max_seq_len,
     batch_size=capture_batch_size, dtype=capture_dtype, seed=seed)
-settings = analysis.token_settings(filter_quantile, max_tokens=max_tokens or None, seed=seed)
+settings = analysis.token_settings(filter_quantile, max_tokens=max_tokens or None, seed=seed,
+                                   matmul_dtype=stats_matmul_dtype)
 unfiltered, filtered = settings  # "all tokens", "top X% entropy"
 config = selection_report.SelectionConfig(
     k=k, greedy_alpha=greedy_alpha, mrmr_lambda=mrmr_lambda, dpp_theta=dpp_theta,

@@ -106,6 +106,17 @@ def test_recorded_counts_and_refused_mismatching_cache(store):
     assert load_layer_stats(folder).n_tokens == stats.n_tokens  # loads when no key is given
 
 
+def test_float32_cross_products_match_float64_and_key_the_cache(store):
+    capture, _ = store
+    exact = compute_layer_stats(capture, AnalysisConfig(), progress=False)
+    fast = compute_layer_stats(capture, AnalysisConfig(matmul_dtype="float32"), progress=False)
+    assert fast.n_tokens == exact.n_tokens
+    assert not torch.equal(fast.cov[(0, 3)], exact.cov[(0, 3)])  # a separate artifact
+    for name in ("entropy", "renyi2", "cka", "cka_biased"):
+        torch.testing.assert_close(getattr(fast, name), getattr(exact, name),
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_max_tokens_subsample_is_seeded(store):
     capture, _ = store
     first = compute_layer_stats(capture, AnalysisConfig(max_tokens=60, seed=1), progress=False)
@@ -119,6 +130,8 @@ def test_config_errors(store):
         AnalysisConfig(filter="top")
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         AnalysisConfig(filter="quantile", filter_value=1.5)
+    with pytest.raises(ValueError, match="matmul_dtype must be one of"):
+        AnalysisConfig(matmul_dtype="bfloat16")
     capture, _ = store
     with pytest.raises(ValueError, match="survive the filter"):
         compute_layer_stats(capture, AnalysisConfig(filter="threshold", filter_value=99.0),

@@ -26,6 +26,7 @@ from actwave.metrics import LayerStats, StreamingLayerStats, token_filter
 
 log = logging.getLogger(__name__)
 FILTERS = ("none", "quantile", "threshold")
+MATMUL_DTYPES = ("float64", "float32")
 
 
 @dataclass
@@ -37,6 +38,8 @@ class AnalysisConfig:
     ``filter_value`` nats). Candidates exclude special tokens (``exclude_special``) and,
     with ``only_loss_mask``, tokens outside assistant replies. ``max_tokens``: keep a
     uniform random subset of that size (``seed``) of the filtered tokens.
+    ``matmul_dtype``: precision of the per-chunk cross products in ``StreamingLayerStats``
+    ('float32' is ≈2× faster on CPU, relative error ~1e-6; sums stay float64).
     """
 
     filter: str = "none"
@@ -45,10 +48,14 @@ class AnalysisConfig:
     only_loss_mask: bool = False
     max_tokens: int | None = None
     seed: int = 0
+    matmul_dtype: str = "float64"
 
     def __post_init__(self) -> None:
         if self.filter not in FILTERS:
             raise ValueError(f"filter must be one of {FILTERS}, got {self.filter!r}")
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"matmul_dtype must be one of {MATMUL_DTYPES}, "
+                             f"got {self.matmul_dtype!r}")
         if self.filter == "quantile" and not 0.0 <= self.filter_value < 1.0:
             raise ValueError(f"quantile filter_value must be in [0, 1), got {self.filter_value}")
         if self.max_tokens is not None and self.max_tokens < 4:
@@ -56,7 +63,8 @@ class AnalysisConfig:
 
 
 def token_settings(filter_quantile: float, max_tokens: int | None = None, seed: int = 0,
-                   with_special: bool = False) -> dict[str, AnalysisConfig]:
+                   with_special: bool = False,
+                   matmul_dtype: str = "float64") -> dict[str, AnalysisConfig]:
     """The token sets the analysis notebooks compare, by table label, in this order.
 
     "all tokens": every non-special token; "top X% entropy" (X = 1 − ``filter_quantile``):
@@ -64,7 +72,7 @@ def token_settings(filter_quantile: float, max_tokens: int | None = None, seed: 
     ``with_special`` adds "all + special" (special tokens kept) to show the effect of
     massive activations once (``DESIGN.md``).
     """
-    common = {"max_tokens": max_tokens, "seed": seed}
+    common = {"max_tokens": max_tokens, "seed": seed, "matmul_dtype": matmul_dtype}
     settings = {
         "all tokens": AnalysisConfig(filter="none", **common),
         f"top {1 - filter_quantile:.0%} entropy": AnalysisConfig(
@@ -104,8 +112,10 @@ def token_keep_mask(store, config: AnalysisConfig) -> tuple[torch.Tensor, dict]:
     return keep, counts
 
 
-def _stream_store(store, keep: torch.Tensor, device, progress: bool) -> LayerStats:
-    stream = StreamingLayerStats(store.num_layers + 1, store.hidden_size, device)
+def _stream_store(store, keep: torch.Tensor, device, progress: bool,
+                  matmul_dtype: str) -> LayerStats:
+    stream = StreamingLayerStats(store.num_layers + 1, store.hidden_size, device,
+                                 matmul_dtype=getattr(torch, matmul_dtype))
     offset = 0
     shards = store.iter_shards(columns=())
     for shard in tqdm(shards, total=len(store.manifest["shards"]), desc="layer stats",
@@ -167,7 +177,7 @@ def compute_layer_stats(store, config: AnalysisConfig, device: str | torch.devic
              counts["n_store_tokens"], config.filter)
     if counts["n_used"] < 4:
         raise ValueError(f"only {counts['n_used']} tokens survive the filter {config}; need ≥ 4")
-    stats = _stream_store(store, keep, device, progress)
+    stats = _stream_store(store, keep, device, progress, config.matmul_dtype)
     save_layer_stats(directory, stats, key, seed=config.seed, token_counts=counts)
     return load_layer_stats(directory, key)
 
