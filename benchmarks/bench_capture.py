@@ -29,7 +29,8 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the benchmark, print its lines; return its summary rows for run_all.py."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--batches", type=int, default=4)
@@ -37,7 +38,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--storage-dtype", default="bfloat16", choices=sorted(DTYPES))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     model, tokenizer = models.load(args.model, dtype=DTYPES[args.dtype])
     config = CaptureConfig(model=args.model, n_sequences=args.batches * args.batch_size,
@@ -69,6 +70,10 @@ def main() -> None:
     print(f"capture      : {n_tokens / t_capture:8.1f} tok/s")
     print(f"ratio capture/bare throughput: {t_bare / t_capture:.3f}  (target >= 0.85)")
     print(f"disk bytes per token: {captured.bytes / n_tokens:,.0f}")
+    return [{"benchmark": "capture", "measure": f"capture / bare forward tok/s ({args.dtype})",
+             "ratio": t_bare / t_capture, "target": ">= 0.85",
+             "detail": f"{n_tokens / t_capture:.0f} vs {n_tokens / t_bare:.0f} tok/s; "
+                       f"{captured.bytes / n_tokens:,.0f} B/token"}]
 
 
 if __name__ == "__main__":

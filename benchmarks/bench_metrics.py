@@ -81,7 +81,8 @@ def stream(layers: int, tokens: int, dim: int, chunk: int,
     return update_s, time.perf_counter() - tic, stats
 
 
-def compare(layers: int, tokens: int, dim: int) -> None:
+def compare(layers: int, tokens: int, dim: int) -> tuple[float, float]:
+    """Print and return (naive seconds / streaming seconds, largest disagreement)."""
     data = random_chunk(layers, tokens, dim, seed=0)
     tic = time.perf_counter()
     naive = naive_stats(data)
@@ -92,9 +93,11 @@ def compare(layers: int, tokens: int, dim: int) -> None:
     print(f"[compare] L={layers} n={tokens} d={dim}: naive n×n Gram {naive_s:.2f} s, "
           f"streaming {stream_s:.2f} s -> naive/streaming = {naive_s / stream_s:.1f}x; "
           f"max |difference| = {diff:.1e}")
+    return naive_s / stream_s, diff
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the benchmark, print its lines; return its summary rows for run_all.py."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=31)
     parser.add_argument("--tokens", type=int, default=200_000)
@@ -104,7 +107,7 @@ def main() -> None:
     parser.add_argument("--compare-tokens", type=int, default=3000)
     parser.add_argument("--matmul-dtype", choices=("float64", "float32"), default="float64")
     parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rate = matmul_gflops()
@@ -113,12 +116,20 @@ def main() -> None:
     print(f"[machine] float64 matmul {rate:.1f} GFLOP/s on {torch.get_num_threads()} threads")
     print(f"[plan] accumulators {L * (L + 1) / 2 * d * d * 8 / 2**30:.2f} GiB float64; "
           f"{flops / 1e12:.2f} TFLOP -> about {flops / rate / 1e9 / 60:.1f} min at that rate")
-    compare(min(args.compare_layers, L), args.compare_tokens, d)
+    speedup, diff = compare(min(args.compare_layers, L), args.compare_tokens, d)
     update_s, final_s, stats = stream(L, n, d, args.chunk, getattr(torch, args.matmul_dtype))
     print(f"[stream {args.matmul_dtype} matmuls] L={L} n={n} d={d}: update {update_s:.1f} s "
           f"({n / update_s:.0f} tok/s, {flops / update_s / 1e9:.1f} GFLOP/s = "
           f"{flops / update_s / 1e9 / rate:.0%} of the matmul rate), finalize {final_s:.1f} s; "
           f"entropy range {float(stats.entropy.min()):.3f}..{float(stats.entropy.max()):.3f} nats")
+    return [{"benchmark": "metrics", "measure": "naive n×n Gram time / streaming time",
+             "ratio": speedup, "target": "> 1",
+             "detail": f"L={min(args.compare_layers, L)} n={args.compare_tokens}; "
+                       f"max |diff| {diff:.1e}"},
+            {"benchmark": "metrics",
+             "measure": f"streaming ({args.matmul_dtype}) GFLOP/s / float64 matmul rate",
+             "ratio": flops / update_s / 1e9 / rate, "target": "-",
+             "detail": f"L={L} n={n} d={d}: {n / update_s:.0f} tok/s"}]
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ COLUMNS = ["method", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "tau
            "exact_match_rate", "match_prefix_frac", "n_prompts"]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
     parser.add_argument("--n-prompts", type=int, default=5)
@@ -44,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--total-tokens", type=int, default=32)
     parser.add_argument("--bf16-prompts", type=int, default=3,
                         help="prompts for the bf16 match-rate pass (0 to skip)")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def drafts_for(target, args) -> tuple[dict, list[str]]:
@@ -77,17 +77,32 @@ def run(dtype: torch.dtype, n_prompts: int, peers: bool, args) -> pd.DataFrame:
     return summary[summary.benchmark == "mtbench"][COLUMNS].reset_index(drop=True)
 
 
-def main() -> None:
+def summary_rows(table: pd.DataFrame, args) -> list[dict]:
+    """One run_all.py row per method: its tokens/s relative to our plain greedy."""
+    untrained = {"eagle3_default": not args.default_draft, "best_selected": not args.best_draft}
+    return [{"benchmark": "speculative", "measure": f"{row.method} / our greedy tok/s (fp32)"
+             + (" [RANDOM draft]" if untrained.get(row.method) else ""),
+             "ratio": row.speedup, "target": ">= 2 (paper, GPU)" if "eagle" in row.method
+             or "best" in row.method else "-",
+             "detail": f"tau {row.tau:.2f}; exact {row.exact_match_rate:.0%}; "
+                       f"{row.n_prompts} prompts"}
+            for row in table.itertuples() if row.method != "greedy"]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the benchmark, print its tables; return its summary rows for run_all.py."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    args = parse_args()
+    args = parse_args(argv)
     pd.set_option("display.width", 200)
     print(f"== {args.model} float32, MT-bench first turns, {args.n_prompts} prompts, "
           f"{args.max_new_tokens} new tokens, T=0, {args.mode} "
           f"(depth {args.depth}, top-k {args.top_k}, {args.total_tokens} tokens)")
-    print(run(torch.float32, args.n_prompts, True, args).to_string(index=False, float_format="%.3f"))
+    table = run(torch.float32, args.n_prompts, True, args)
+    print(table.to_string(index=False, float_format="%.3f"))
     if args.bf16_prompts:
         print(f"== bfloat16 match rate of speculative vs our bf16 greedy ({args.bf16_prompts} prompts)")
         print(run(torch.bfloat16, args.bf16_prompts, False, args).to_string(index=False, float_format="%.3f"))
+    return summary_rows(table, args)
 
 
 if __name__ == "__main__":

@@ -102,7 +102,8 @@ def time_training(target, data: TrainData, config: TrainConfig, steps: int) -> t
     return tokens / elapsed, draft
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the benchmark, print its lines; return its summary rows for run_all.py."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=2)
@@ -111,7 +112,7 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--layers", default="2,15,27")
     parser.add_argument("--store", default=None, help="capture store folder (default: search)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     layer_ids = tuple(int(x) for x in args.layers.split(","))
     store = find_store(args.store)
     if store is not None:
@@ -130,6 +131,7 @@ def main() -> None:
     hidden = target.config.hidden_size
     vocab = target.get_input_embeddings().weight.shape[0]
     n_rows = int(args.batch_size * mean_len)
+    rows = []
     for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         config = TrainConfig(layer_ids=layer_ids, ttt_steps=args.ttt_steps, total_steps=10,
                              warmup_steps=0, batch_size=args.batch_size, max_seq_len=args.seq_len,
@@ -143,6 +145,10 @@ def main() -> None:
               f"draft {flops / 1e6:6.1f} MFLOP/tok -> {achieved:6.1f} GFLOP/s = "
               f"{achieved / peak:.2f} of matmul | +target head {head_flops / 1e6:.0f} MFLOP/tok -> "
               f"{tokens_per_s * (flops + head_flops) / 1e9 / peak:.2f}")
+        rows.append({"benchmark": "train", "measure": f"draft training GFLOP/s / {dtype_name} "
+                     "LM-head matmul rate", "ratio": achieved / peak, "target": "-",
+                     "detail": f"{tokens_per_s:.0f} tok/s; {source.split(',')[0]}"})
+    return rows
 
 
 if __name__ == "__main__":

@@ -117,6 +117,18 @@ def test_float32_cross_products_match_float64_and_key_the_cache(store):
                                    rtol=1e-5, atol=1e-6)
 
 
+def test_too_large_accumulators_are_refused_before_streaming(store, monkeypatch):
+    from actwave import analysis
+    capture, _ = store
+    need = M.StreamingLayerStats.accumulator_bytes(N_LAYERS + 1, DIM)
+    assert analysis.check_memory(N_LAYERS + 1, DIM, "cpu") == need
+    monkeypatch.setattr(analysis, "available_bytes", lambda device: need - 1)
+    with pytest.raises(MemoryError, match=r"4 layers × d=8 need .* GiB"):
+        compute_layer_stats(capture, AnalysisConfig(), progress=False)
+    # an 8B Llama (33 states × 4096) needs ~75 GB: more than one 80 GB GPU has free
+    assert 70e9 < M.StreamingLayerStats.accumulator_bytes(33, 4096) < 80e9
+
+
 def test_max_tokens_subsample_is_seeded(store):
     capture, _ = store
     first = compute_layer_stats(capture, AnalysisConfig(max_tokens=60, seed=1), progress=False)

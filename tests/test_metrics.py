@@ -426,3 +426,13 @@ def test_streaming_error_cases():
     stream.finalize()
     with pytest.raises(RuntimeError, match="finalize"):
         stream.update(torch.randn(3, 5, 4))
+
+
+def test_accumulator_bytes_matches_the_allocated_tensors():
+    stream = M.StreamingLayerStats(5, 7, chunk_tokens=3)
+    stream.update(torch.randn(5, 4, 7))
+    allocated = sum(t.numel() * t.element_size() for t in
+                    [stream._sums, stream._sq_sums, stream._sq_products, stream._sq_weighted,
+                     *stream._cross.values()])
+    chunk = 3 * 5 * 7 * 8  # one float64 working chunk of chunk_tokens tokens
+    assert M.StreamingLayerStats.accumulator_bytes(5, 7, chunk_tokens=3) == allocated + chunk

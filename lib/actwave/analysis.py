@@ -112,6 +112,37 @@ def token_keep_mask(store, config: AnalysisConfig) -> tuple[torch.Tensor, dict]:
     return keep, counts
 
 
+def available_bytes(device: str | torch.device) -> int | None:
+    """Free memory on ``device``: CUDA's free bytes, or MemAvailable from /proc/meminfo."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None  # unknown (not Linux): no check
+
+
+def check_memory(num_layers: int, dim: int, device: str | torch.device) -> int:
+    """Refuse a streaming pass whose accumulators cannot fit; return the bytes it needs.
+
+    The L(L+1)/2 d×d float64 cross-covariance blocks grow as L²d²: 1.3 GB for
+    SmolLM2-135M (31 layers × 576), ~75 GB for an 8B Llama (33 × 4096).
+    """
+    need = StreamingLayerStats.accumulator_bytes(num_layers, dim)
+    free = available_bytes(device)
+    if free is not None and need > free:
+        raise MemoryError(
+            f"layer statistics over {num_layers} layers × d={dim} need {need / 2**30:.1f} GiB "
+            f"of float64 accumulators (L(L+1)/2·d²·8 bytes) but {device} has "
+            f"{free / 2**30:.1f} GiB free; use a machine with more memory or a model with "
+            "fewer/narrower layers")
+    return need
+
+
 def _stream_store(store, keep: torch.Tensor, device, progress: bool,
                   matmul_dtype: str) -> LayerStats:
     stream = StreamingLayerStats(store.num_layers + 1, store.hidden_size, device,
@@ -172,6 +203,7 @@ def compute_layer_stats(store, config: AnalysisConfig, device: str | torch.devic
     if (directory / "config.json").exists():
         log.info("layer stats: loading cache %s", directory)
         return load_layer_stats(directory, key)
+    check_memory(store.num_layers + 1, store.hidden_size, device)
     keep, counts = token_keep_mask(store, config)
     log.info("layer stats: %d of %d tokens kept (%s)", counts["n_used"],
              counts["n_store_tokens"], config.filter)

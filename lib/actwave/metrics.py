@@ -333,6 +333,12 @@ class StreamingLayerStats:
         self._reference: Tensor | None = None  # (L, d) shift applied to every token
         self._finalized = False
 
+    @staticmethod
+    def accumulator_bytes(num_layers: int, dim: int, chunk_tokens: int = 1024) -> int:
+        """Bytes the float64 accumulators and one working chunk take (see ``_allocate``)."""
+        L, d = num_layers, dim
+        return 8 * (L * (L + 1) // 2 * d * d + L * L * d + L * d + L * L + L + chunk_tokens * L * d)
+
     def _allocate(self, device: torch.device) -> None:
         L, d, f64 = self.num_layers, self.dim, torch.float64
         self.device = device

@@ -1,0 +1,115 @@
+"""Every performance benchmark in one run, then one summary table of the ratios they measure.
+
+    .venv/bin/python benchmarks/run_all.py [--size quick|full] [--only capture,metrics,...]
+        [--drafts results/cpu/06_drafts.json] [--out results/benchmarks]
+
+Each ratio compares two routes measured side by side in the same benchmark run (never a
+number from another machine or day). ``--size quick`` (~5 min on 2 cores) shrinks every
+benchmark to a smoke size; ``full`` (the default) uses the sizes the README quotes.
+Trained drafts for the speculative benchmark are taken from notebook 06's manifest
+(``--drafts``) when their folders exist in the cache; otherwise random drafts stand in and
+the summary says so. The table is printed and written to ``<out>/summary.{csv,md}`` with
+the machine and package versions in ``<out>/summary.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the bench_* scripts sit beside this file
+
+from actwave.config import (atomic_write_bytes, atomic_write_json, cache_dir,  # noqa: E402
+                            package_versions, repo_root)
+from actwave.plots import to_markdown  # noqa: E402
+
+# Arguments per benchmark and size; each bench_<name>.main(argv) returns summary rows.
+SIZES = {
+    "full": {
+        "capture": ["--batches", "4"],
+        "metrics": ["--layers", "31", "--tokens", "50000", "--dim", "576"],
+        "regenerate": ["--n-batched", "16", "--n-single", "4", "--max-new-tokens", "64"],
+        "train": ["--steps", "3"],
+        "speculative": ["--n-prompts", "3", "--max-new-tokens", "128", "--bf16-prompts", "0"],
+    },
+    "quick": {
+        "capture": ["--batches", "2", "--seq-len", "128"],
+        "metrics": ["--layers", "8", "--tokens", "8192", "--dim", "256",
+                    "--compare-tokens", "1500"],
+        "regenerate": ["--n-batched", "4", "--n-single", "2", "--max-new-tokens", "16"],
+        "train": ["--steps", "1", "--seq-len", "128"],
+        "speculative": ["--n-prompts", "1", "--max-new-tokens", "32", "--bf16-prompts", "0",
+                        "--total-tokens", "16", "--depth", "4", "--top-k", "4"],
+    },
+}
+BENCHMARKS = tuple(SIZES["full"])
+
+
+def draft_arguments(manifest: Path, model: str = "smollm2-135m") -> list[str]:
+    """--default-draft/--best-draft from notebook 06's manifest, if those drafts exist."""
+    if not manifest.exists():
+        return []
+    folders = json.loads(manifest.read_text()).get(model, {})
+    arguments = []
+    for flag, label in (("--default-draft", "eagle3_default"),
+                        ("--best-draft", "entropy_cka_filtered")):
+        if label in folders and (cache_dir() / folders[label]).is_dir():
+            arguments += [flag, folders[label]]
+    return arguments
+
+
+def run_benchmarks(size: str, names: list[str], drafts: Path) -> pd.DataFrame:
+    """Run each named benchmark in turn; one row per ratio, with its wall time."""
+    rows = []
+    for name in names:
+        argv = list(SIZES[size][name])
+        if name == "speculative":
+            argv += draft_arguments(drafts)
+        print(f"\n===== bench_{name} {' '.join(argv)}", flush=True)
+        tic = time.perf_counter()
+        results = importlib.import_module(f"bench_{name}").main(argv)
+        seconds = time.perf_counter() - tic
+        rows += [{**row, "bench_seconds": round(seconds, 1)} for row in results]
+    return pd.DataFrame(rows)
+
+
+def write_summary(table: pd.DataFrame, out: Path, size: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / "summary.csv", table.to_csv(index=False, float_format="%.3f",
+                                                         lineterminator="\n").encode())
+    atomic_write_bytes(out / "summary.md", to_markdown(table, "%.3f").encode())
+    atomic_write_json(out / "summary.json", {
+        "size": size, "machine": platform.platform(), "processor": platform.processor(),
+        "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
+        "versions": package_versions()})
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--only", default=",".join(BENCHMARKS),
+                        help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    parser.add_argument("--drafts", type=Path, default=repo_root() / "results/cpu/06_drafts.json")
+    parser.add_argument("--out", type=Path, default=repo_root() / "results/benchmarks")
+    args = parser.parse_args(argv)
+    names = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(BENCHMARKS))
+    if unknown or not names:
+        parser.error(f"unknown benchmark(s) {unknown or names}; choose from {BENCHMARKS}")
+    table = run_benchmarks(args.size, names, args.drafts)
+    write_summary(table, args.out, args.size)
+    print(f"\n===== summary ({args.size}; ratios of routes measured side by side)")
+    print(table.to_string(index=False, float_format="%.3f"))
+    return table
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""benchmarks/run_all.py: the summary entry point (the metrics benchmark runs for real, small)."""
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+from actwave.config import repo_root
+
+
+@pytest.fixture
+def run_all(monkeypatch):
+    monkeypatch.syspath_prepend(str(repo_root() / "benchmarks"))
+    return importlib.import_module("run_all")
+
+
+def test_quick_metrics_summary_is_written(run_all, tmp_path, monkeypatch):
+    monkeypatch.setitem(run_all.SIZES, "quick", {
+        **run_all.SIZES["quick"], "metrics": ["--layers", "4", "--tokens", "600", "--dim", "32",
+                                              "--compare-layers", "3", "--compare-tokens", "200",
+                                              "--chunk", "256"]})
+    table = run_all.main(["--size", "quick", "--only", "metrics", "--out", str(tmp_path)])
+    assert list(table["benchmark"]) == ["metrics", "metrics"]
+    assert (table["ratio"] > 0).all()
+    assert "max |diff|" in table["detail"].iloc[0]
+    diff = float(table["detail"].iloc[0].rsplit(" ", 1)[1])
+    assert diff < 1e-8  # the two routes of the metrics benchmark agree
+    assert (tmp_path / "summary.md").read_text().count("| metrics") == 2
+    assert json.loads((tmp_path / "summary.json").read_text())["size"] == "quick"
+
+
+def test_unknown_benchmark_is_refused(run_all, capsys):
+    with pytest.raises(SystemExit):
+        run_all.main(["--only", "capture,warp"])
+    assert "warp" in capsys.readouterr().err
+
+
+def test_drafts_come_from_the_notebook_manifest_only_when_present(run_all, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "drafts" / "a").mkdir(parents=True)
+    manifest = tmp_path / "06_drafts.json"
+    manifest.write_text(json.dumps({"smollm2-135m": {"eagle3_default": "drafts/a",
+                                                     "entropy_cka_filtered": "drafts/gone"}}))
+    assert run_all.draft_arguments(manifest) == ["--default-draft", "drafts/a"]
+    assert run_all.draft_arguments(tmp_path / "missing.json") == []
