@@ -25,8 +25,8 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kwargs))
     elif arch == "gemma3":
-        model = Gemma3ForCausalLM(Gemma3TextConfig(head_dim=16, sliding_window=8,
-                                                   layer_types=None, **kwargs))
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            **{"head_dim": 16, "sliding_window": 8, "layer_types": None, **kwargs}))
     else:
         raise ValueError(arch)
     return model.eval()

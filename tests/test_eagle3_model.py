@@ -139,6 +139,16 @@ def test_cache_step_by_step_equals_full_sequence(target):
     assert cache.get_seq_length() == 4
 
 
+def test_logits_to_keep_computes_only_the_last_rows(llama):
+    draft = make_draft(llama)
+    input_ids, hidden, position_ids = random_inputs(steps=6)
+    with torch.no_grad():
+        full = draft(input_ids, hidden, position_ids)
+        last_two = draft(input_ids, hidden, position_ids, logits_to_keep=2)
+    assert last_two.logits.shape[1] == 2 and last_two.hidden.shape == full.hidden.shape
+    assert torch.allclose(last_two.logits, full.logits[:, -2:], atol=1e-6)
+
+
 def test_causal_4d_mask_equals_none(llama):
     draft = make_draft(llama)
     input_ids, hidden, position_ids = random_inputs(steps=6)

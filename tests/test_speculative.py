@@ -5,32 +5,25 @@ import pandas as pd
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import (DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
-                          LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import DynamicCache
 
 from actwave.eagle3 import Eagle3Draft
 from actwave.evaluate import (EvalConfig, acceptance_by_position, bootstrap_ci, build_methods,
                               read_selection_scores, run_item, summarize, tau_vs_scores)
 from actwave.speculative import (accept_greedy, generate, greedy_generate, keep_cache_rows)
 from actwave.tree import DraftTree, ancestor_mask, build_tree, target_tree_mask
+from conftest import tiny_model
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 SETTINGS = {"chain": dict(mode="chain", depth=5),
             "tree": dict(mode="tree", depth=4, top_k=3, total_tokens=10)}
 
 
+# Sliding window 6 < sequence length, mixed layer types: exercises the dict tree mask.
+GEMMA_WINDOWS = dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2)
+
+
 def make_target(kind: str, **changes):
-    torch.manual_seed(0)
-    settings = {**TINY, **changes}
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**settings)).eval()
-    if kind == "qwen3":
-        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **settings)).eval()
-    # Sliding window 6 < sequence length, mixed layer types: exercises the dict tree mask.
-    return Gemma3ForCausalLM(Gemma3TextConfig(
-        head_dim=16, sliding_window=6, **settings,
-        layer_types=["sliding_attention", "full_attention"] * 2)).eval()
+    return tiny_model(kind, **(GEMMA_WINDOWS if kind == "gemma3" else {}), **changes)
 
 
 class OracleDraft(Eagle3Draft):
@@ -47,7 +40,8 @@ class OracleDraft(Eagle3Draft):
         self.first_token, self.swap_every, self.slot_inputs = first_token, swap_every, []
         return self
 
-    def forward(self, input_ids, hidden, position_ids, attention_mask=None, past_key_values=None):
+    def forward(self, input_ids, hidden, position_ids, attention_mask=None, past_key_values=None,
+                logits_to_keep=0):
         past = past_key_values.get_seq_length()
         out = super().forward(input_ids, hidden, position_ids, attention_mask, past_key_values)
         del self.slot_inputs[past:]
@@ -64,7 +58,7 @@ class OracleDraft(Eagle3Draft):
             logits = torch.zeros(self.config.draft_vocab_size)
             logits[ranked] = torch.tensor([12.0, 11.0])
             rows.append(logits)
-        out.logits = torch.stack(rows)[None]  # (1, T, V): full draft vocab
+        out.logits = torch.stack(rows)[None, -logits_to_keep:]  # (1, T or kept, V_draft)
         return out
 
 
@@ -203,8 +197,7 @@ def test_build_tree_budget_closure_and_cache_restore(llama, temperature):
 
 # ----------------------------------------------------------------------------- sampling
 def peaked_target():
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": 8})).eval()
+    target = tiny_model("llama", vocab_size=8)
     with torch.no_grad():
         target.lm_head.weight.normal_(0.0, 1.0)  # spread logits: a non-uniform target law
     return target

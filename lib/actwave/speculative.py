@@ -211,7 +211,8 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *, mod
     while len(tokens) < max_new_tokens and tokens[-1] not in eos:
         positions = torch.arange(pending_start, committed, device=device)[None]
         hidden = draft.fuse(states.to(draft.fc.weight.dtype))  # (1, m, H)
-        out = draft(torch.tensor([pending_ids], device=device), hidden, positions, None, draft_cache)
+        out = draft(torch.tensor([pending_ids], device=device), hidden, positions, None,
+                    draft_cache, logits_to_keep=1)
         tree, expansions = build_tree(draft, draft_cache, tokens[-1], out.logits[0, -1],
                                       out.hidden[0, -1], depth=depth, top_k=top_k,
                                       total_tokens=total_tokens, temperature=temperature,

@@ -210,14 +210,17 @@ class Eagle3Draft(nn.Module):
         return self.fc(target_states)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, past_key_values=None) -> Eagle3Output:
+                attention_mask: torch.Tensor | None = None, past_key_values=None,
+                logits_to_keep: int = 0) -> Eagle3Output:
         """One draft pass over T new positions (see the module docstring for alignment).
 
         input_ids: (B, T) target ids of the token at t+1; hidden: (B, T, H) fused target
         state (``fuse``) or the draft's own previous output hidden; position_ids: (B, T);
         attention_mask: (B|1, 1, T, S) additive float mask over S = cached + T keys, None
         for causal; past_key_values: a DynamicCache whose layer 0 receives the new keys
-        and values (callers crop it, e.g. ``cache.crop(-n)``).
+        and values (callers crop it, e.g. ``cache.crop(-n)``). ``logits_to_keep`` > 0
+        computes logits for the last that many positions only (as in HF): a catch-up pass
+        over a prompt needs just the last row, and the LM head dominates a draft pass.
         """
         if input_ids.shape != hidden.shape[:2] or position_ids.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)}, hidden {tuple(hidden.shape)} "
@@ -225,7 +228,8 @@ class Eagle3Draft(nn.Module):
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
         out = self.midlayer(embeds, hidden, cos, sin, attention_mask, past_key_values)
-        logits = self.lm_head(self.norm(out))  # (B, T, V_draft)
+        kept = out[:, -logits_to_keep:] if logits_to_keep > 0 else out
+        logits = self.lm_head(self.norm(kept))  # (B, T or logits_to_keep, V_draft)
         return Eagle3Output(logits=logits, hidden=out, past_key_values=past_key_values)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
