@@ -38,9 +38,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--storage-dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
 
-    model, tokenizer = models.load(args.model, dtype=DTYPES[args.dtype])
+    model, tokenizer = models.load(args.model, dtype=DTYPES[args.dtype], device=args.device)
     config = CaptureConfig(model=args.model, n_sequences=args.batches * args.batch_size,
                            max_seq_len=args.seq_len)
     sequences, _ = tokenize_split(config, tokenizer)
@@ -48,14 +49,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     special = set(tokenizer.all_special_ids)
     n_tokens = sum(len(s["input_ids"]) for s in sequences)
 
+    def sync():  # CUDA work is asynchronous: time it to completion
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.synchronize()
+
     def bare(batch):
         ids, mask = _pad_batch(batch, 0)
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask)
+            model(input_ids=ids.to(args.device), attention_mask=mask.to(args.device))
+        sync()
 
     def captured(batch):
         columns = capture_batch(model, batch, 0, special, DTYPES[args.storage_dtype])
         captured.bytes += len(save_tensors({k: v.contiguous() for k, v in columns.items()}))
+        sync()
     captured.bytes = 0
 
     bare(batches[0]), captured(batches[0])  # warm-up
@@ -64,13 +71,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for batch in batches:
         t_bare += _time(lambda: bare(batch))
         t_capture += _time(lambda: captured(batch))
-    print(f"model {args.model}  dtype {args.dtype}  storage {args.storage_dtype}  "
+    print(f"model {args.model} on {args.device}  dtype {args.dtype}  storage {args.storage_dtype}  "
           f"threads {torch.get_num_threads()}  tokens {n_tokens}")
     print(f"bare forward : {n_tokens / t_bare:8.1f} tok/s")
     print(f"capture      : {n_tokens / t_capture:8.1f} tok/s")
     print(f"ratio capture/bare throughput: {t_bare / t_capture:.3f}  (target >= 0.85)")
     print(f"disk bytes per token: {captured.bytes / n_tokens:,.0f}")
-    return [{"benchmark": "capture", "measure": f"capture / bare forward tok/s ({args.dtype})",
+    return [{"benchmark": "capture",
+             "measure": f"capture / bare forward tok/s ({args.dtype}, {args.device})",
              "ratio": t_bare / t_capture, "target": ">= 0.85",
              "detail": f"{n_tokens / t_capture:.0f} vs {n_tokens / t_bare:.0f} tok/s; "
                        f"{captured.bytes / n_tokens:,.0f} B/token"}]

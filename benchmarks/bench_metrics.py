@@ -20,13 +20,21 @@ import torch
 from actwave.metrics import StreamingLayerStats
 
 
-def matmul_gflops(size: int = 2048, repeats: int = 3) -> float:
-    a = torch.randn(size, size, dtype=torch.float64)
-    b = torch.randn(size, size, dtype=torch.float64)
+def sync(device) -> None:
+    """Wait for queued CUDA work, so wall-clock timings cover it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_gflops(size: int = 2048, repeats: int = 3, device: str = "cpu") -> float:
+    a = torch.randn(size, size, dtype=torch.float64, device=device)
+    b = torch.randn(size, size, dtype=torch.float64, device=device)
     a @ b  # warm-up
+    sync(device)
     tic = time.perf_counter()
     for _ in range(repeats):
         a @ b
+    sync(device)
     return 2 * size ** 3 * repeats / (time.perf_counter() - tic) / 1e9
 
 
@@ -67,17 +75,20 @@ def naive_stats(hidden: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def stream(layers: int, tokens: int, dim: int, chunk: int,
-           matmul_dtype: torch.dtype = torch.float64) -> tuple[float, float, object]:
+           matmul_dtype: torch.dtype = torch.float64,
+           device: str = "cpu") -> tuple[float, float, object]:
     """Seconds in update(), seconds in finalize(), and the stats."""
-    acc = StreamingLayerStats(layers, dim, matmul_dtype=matmul_dtype)
+    acc = StreamingLayerStats(layers, dim, device=device, matmul_dtype=matmul_dtype)
     update_s = 0.0
     for index, start in enumerate(range(0, tokens, chunk)):
         data = random_chunk(layers, min(chunk, tokens - start), dim, seed=index)
         tic = time.perf_counter()
         acc.update(data)
+        sync(device)
         update_s += time.perf_counter() - tic
     tic = time.perf_counter()
     stats = acc.finalize()
+    sync(device)
     return update_s, time.perf_counter() - tic, stats
 
 
@@ -107,17 +118,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--compare-tokens", type=int, default=3000)
     parser.add_argument("--matmul-dtype", choices=("float64", "float32"), default="float64")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="device of the full-size streaming pass (the comparison runs on CPU)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rate = matmul_gflops()
+    rate = matmul_gflops(device=args.device)
     L, n, d = args.layers, args.tokens, args.dim
     flops = n * d * d * L * (L + 1)
-    print(f"[machine] float64 matmul {rate:.1f} GFLOP/s on {torch.get_num_threads()} threads")
+    print(f"[machine] float64 matmul {rate:.1f} GFLOP/s on {args.device} "
+          f"({torch.get_num_threads()} CPU threads)")
     print(f"[plan] accumulators {L * (L + 1) / 2 * d * d * 8 / 2**30:.2f} GiB float64; "
           f"{flops / 1e12:.2f} TFLOP -> about {flops / rate / 1e9 / 60:.1f} min at that rate")
     speedup, diff = compare(min(args.compare_layers, L), args.compare_tokens, d)
-    update_s, final_s, stats = stream(L, n, d, args.chunk, getattr(torch, args.matmul_dtype))
+    update_s, final_s, stats = stream(L, n, d, args.chunk, getattr(torch, args.matmul_dtype),
+                                      args.device)
     print(f"[stream {args.matmul_dtype} matmuls] L={L} n={n} d={d}: update {update_s:.1f} s "
           f"({n / update_s:.0f} tok/s, {flops / update_s / 1e9:.1f} GFLOP/s = "
           f"{flops / update_s / 1e9 / rate:.0%} of the matmul rate), finalize {final_s:.1f} s; "

@@ -38,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--best-draft", help="draft dir for the best selected layer set")
     parser.add_argument("--best-layers", default="5,6,7",
                         help="layers of the random stand-in 'best' draft when --best-draft is absent")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mode", default="tree", choices=["tree", "chain"])
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--top-k", type=int, default=8)
@@ -64,7 +65,7 @@ def drafts_for(target, args) -> tuple[dict, list[str]]:
 
 
 def run(dtype: torch.dtype, n_prompts: int, peers: bool, args) -> pd.DataFrame:
-    target, tokenizer = models.load(args.model, dtype=dtype)
+    target, tokenizer = models.load(args.model, dtype=dtype, device=args.device)
     drafts, notes = drafts_for(target, args)
     config = EvalConfig(model=args.model, dtype=str(dtype).removeprefix("torch."),
                         benchmarks=("mtbench",), n_prompts=n_prompts, max_turns=1,
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args = parse_args(argv)
     pd.set_option("display.width", 200)
-    print(f"== {args.model} float32, MT-bench first turns, {args.n_prompts} prompts, "
+    print(f"== {args.model} float32 on {args.device}, MT-bench first turns, {args.n_prompts} prompts, "
           f"{args.max_new_tokens} new tokens, T=0, {args.mode} "
           f"(depth {args.depth}, top-k {args.top_k}, {args.total_tokens} tokens)")
     table = run(torch.float32, args.n_prompts, True, args)

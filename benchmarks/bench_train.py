@@ -34,14 +34,22 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
 
 
 def matmul_gflops(tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
-                  repeats: int = 5) -> float:
-    a = torch.randn(tokens, hidden, dtype=dtype)
-    b = torch.randn(hidden, vocab, dtype=dtype)
+                  repeats: int = 5, device: str = "cpu") -> float:
+    a = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    b = torch.randn(hidden, vocab, dtype=dtype, device=device)
     a @ b  # warm-up
+    sync(device)
     tic = time.perf_counter()
     for _ in range(repeats):
         a @ b
+    sync(device)
     return 2 * tokens * hidden * vocab * repeats / (time.perf_counter() - tic) / 1e9
+
+
+def sync(device) -> None:
+    """Wait for queued CUDA work, so wall-clock timings cover it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def draft_train_flops_per_token(draft, ttt_steps: int, seq_len: int) -> float:
@@ -84,7 +92,8 @@ def time_training(target, data: TrainData, config: TrainConfig, steps: int) -> t
     """tokens/s over ``steps`` timed steps after one warm-up step; -> (tokens/s, draft)."""
     from accelerate import Accelerator
 
-    accelerator = Accelerator()
+    device = next(target.parameters()).device
+    accelerator = Accelerator(cpu=device.type == "cpu")
     draft = new_draft(target, data, config)
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=config.lr,
                                   betas=config.betas)
@@ -96,6 +105,7 @@ def time_training(target, data: TrainData, config: TrainConfig, steps: int) -> t
         tic = time.perf_counter()
         batch = make_batch(data, indices, target, draft, accelerator.device)
         train_step(module, optimizer, scheduler, accelerator, batch, config)
+        sync(device)
         if step:  # step 0 is warm-up
             elapsed += time.perf_counter() - tic
             tokens += sum(data.input_ids[i].numel() for i in indices)
@@ -112,17 +122,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--layers", default="2,15,27")
     parser.add_argument("--store", default=None, help="capture store folder (default: search)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="compute dtypes to time (bf16 is very slow on CPUs without it)")
     args = parser.parse_args(argv)
     layer_ids = tuple(int(x) for x in args.layers.split(","))
     store = find_store(args.store)
     if store is not None:
         from actwave.models import load
-        target, _ = load(store.manifest["config"]["model"])
+        target, _ = load(store.manifest["config"]["model"], device=args.device)
         data = load_sequences(store, layer_ids, args.seq_len)
         source = f"real {store.manifest['config']['model']}, store {store.path.name}"
     else:
         torch.manual_seed(0)
-        target = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).eval()
+        target = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).eval().to(args.device)
         data = random_data(layer_ids, 2 * args.batch_size, args.seq_len, 576, 49152)
         source = "random target with SmolLM2-135M's shape, random states"
     mean_len = data.n_tokens / len(data)
@@ -132,11 +145,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     vocab = target.get_input_embeddings().weight.shape[0]
     n_rows = int(args.batch_size * mean_len)
     rows = []
-    for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
         config = TrainConfig(layer_ids=layer_ids, ttt_steps=args.ttt_steps, total_steps=10,
                              warmup_steps=0, batch_size=args.batch_size, max_seq_len=args.seq_len,
                              draft_vocab_size=args.draft_vocab, dtype=dtype_name)
-        peak = matmul_gflops(n_rows, hidden, args.draft_vocab, dtype)
+        peak = matmul_gflops(n_rows, hidden, args.draft_vocab, dtype, device=args.device)
         tokens_per_s, draft = time_training(target, data, config, args.steps)
         flops = draft_train_flops_per_token(draft, args.ttt_steps, int(mean_len))
         head_flops = 2 * hidden * vocab

@@ -31,21 +31,25 @@ from actwave.config import (atomic_write_bytes, atomic_write_json, cache_dir,  #
                             package_versions, repo_root)
 from actwave.plots import to_markdown  # noqa: E402
 
+# bf16 only where the hardware has it: on AVX2-only CPUs a bf16 matmul is ~200× slower.
+FAST_DTYPE = "bfloat16" if torch.cuda.is_available() else "float32"
 # Arguments per benchmark and size; each bench_<name>.main(argv) returns summary rows.
 SIZES = {
     "full": {
         "capture": ["--batches", "4"],
         "metrics": ["--layers", "31", "--tokens", "50000", "--dim", "576"],
-        "regenerate": ["--n-batched", "16", "--n-single", "4", "--max-new-tokens", "64"],
-        "train": ["--steps", "3"],
+        "regenerate": ["--n-batched", "16", "--n-single", "4", "--max-new-tokens", "64",
+                       "--dtype", FAST_DTYPE],
+        "train": ["--steps", "3", "--dtypes", FAST_DTYPE],
         "speculative": ["--n-prompts", "3", "--max-new-tokens", "128", "--bf16-prompts", "0"],
     },
     "quick": {
         "capture": ["--batches", "2", "--seq-len", "128"],
         "metrics": ["--layers", "8", "--tokens", "8192", "--dim", "256",
                     "--compare-tokens", "1500"],
-        "regenerate": ["--n-batched", "4", "--n-single", "2", "--max-new-tokens", "16"],
-        "train": ["--steps", "1", "--seq-len", "128"],
+        "regenerate": ["--n-batched", "4", "--n-single", "2", "--max-new-tokens", "16",
+                       "--dtype", FAST_DTYPE],
+        "train": ["--steps", "1", "--seq-len", "128", "--dtypes", FAST_DTYPE],
         "speculative": ["--n-prompts", "1", "--max-new-tokens", "32", "--bf16-prompts", "0",
                         "--total-tokens", "16", "--depth", "4", "--top-k", "4"],
     },

@@ -9,7 +9,8 @@ from transformers import DynamicCache
 
 from actwave.eagle3 import Eagle3Draft
 from actwave.evaluate import (EvalConfig, acceptance_by_position, bootstrap_ci, build_methods,
-                              read_selection_scores, run_item, summarize, tau_vs_scores)
+                              evaluate, read_selection_scores, run_item, summarize,
+                              tau_vs_scores)
 from actwave.speculative import (accept_greedy, generate, greedy_generate, keep_cache_rows)
 from actwave.tree import DraftTree, ancestor_mask, build_tree, target_tree_mask
 from conftest import tiny_model
@@ -356,3 +357,23 @@ def test_tau_vs_scores_reads_selection_csv_and_ranks(tmp_path):
     assert by_key.loc[("m", "all tokens", "renyi2"), "spearman"] == pytest.approx(1.0)
     assert by_key.loc[("m", "filtered", "renyi2"), "kendall"] == pytest.approx(-1.0)
     assert by_key.loc[("all", "filtered", "renyi2"), "spearman"] == pytest.approx(-1.0)
+
+
+def test_evaluate_resumes_only_records_of_the_same_draft_weights(llama, tmp_path):
+    """Records are keyed by the drafts' weights: a retrained draft on the same layers is
+    evaluated afresh, the unchanged one is resumed (no method is run again)."""
+    config = EvalConfig(benchmarks=("humaneval",), n_prompts=1, max_turns=1, max_new_tokens=4,
+                        peers=False, mode="chain", depth=2, n_bootstrap=10)
+    draft = random_draft(llama)
+    first = evaluate(llama, StubTokenizer(), {"d": draft}, config, [], out_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 1 and len(first["records"]) == 2
+    again = evaluate(llama, StubTokenizer(), {"d": draft}, config, [], out_dir=tmp_path)
+    for column in ("method", "seconds", "tokens"):  # loaded, not re-timed
+        assert again["records"][column].tolist() == first["records"][column].tolist()
+    pd.testing.assert_frame_equal(again["summary"], first["summary"])
+    retrained = random_draft(llama)
+    with torch.no_grad():
+        retrained.fc.weight.add_(0.01)
+    assert retrained.fingerprint() != draft.fingerprint()
+    evaluate(llama, StubTokenizer(), {"d": retrained}, config, [], out_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 2

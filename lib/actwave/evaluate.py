@@ -203,14 +203,15 @@ def evaluate(target, tokenizer, drafts: dict, config: EvalConfig, eos_token_ids:
     """Run every method on every benchmark prompt -> {"records", "summary", "acceptance"}.
 
     drafts: {label: Eagle3Draft}. With ``out_dir``, raw records are saved after every
-    prompt to ``<out_dir>/<run_name>-<hash>.json`` (hash of the config, draft labels and
-    layer ids) and prompts already there are skipped on a rerun.
+    prompt to ``<out_dir>/<run_name>-<hash>.json`` (hash of the config, draft labels,
+    layer ids and weight fingerprints) and prompts already there are skipped on a rerun.
     """
     for label, draft in drafts.items():
         draft.check_target(target)
     methods = build_methods(target, drafts, config, list(eos_token_ids))
     identity = {"config": config, "methods": list(methods),
-                "layer_ids": {label: list(d.layer_ids) for label, d in drafts.items()}}
+                "layer_ids": {label: list(d.layer_ids) for label, d in drafts.items()},
+                "weights": {label: d.fingerprint() for label, d in drafts.items()}}
     path = Path(out_dir) / f"{run_name}-{config_hash(identity)}.json" if out_dir else None
     records = _load_records(path)
     done = {(r["benchmark"], r["prompt_id"]) for r in records}

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,6 +241,19 @@ class Eagle3Draft(nn.Module):
         """Everything saved with the draft: all weights and buffers but the target embedding."""
         return {name: tensor for name, tensor in self.state_dict().items()
                 if not name.startswith("embed_tokens.")}
+
+    def fingerprint(self) -> str:
+        """sha256 (16 hex) of the saved weights and buffers: which trained draft this is.
+
+        Keys cached results (e.g. evaluation records) so that retraining a draft on the
+        same layers never reuses the old draft's numbers.
+        """
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.trainable_state_dict().items()):
+            values = tensor.detach().cpu().contiguous()
+            digest.update(f"{name}:{values.dtype}:{tuple(values.shape)}".encode())
+            digest.update(values.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:16]
 
     def save_pretrained(self, directory) -> Path:
         """``config.json`` (Eagle3Config + provenance) and ``model.safetensors``."""
