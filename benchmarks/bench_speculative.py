@@ -85,8 +85,8 @@ def summary_rows(table: pd.DataFrame, args) -> list[dict]:
              + (" [RANDOM draft]" if untrained.get(row.method) else ""),
              "ratio": row.speedup, "target": ">= 2 (paper, GPU)" if "eagle" in row.method
              or "best" in row.method else "-",
-             "detail": f"tau {row.tau:.2f}; exact {row.exact_match_rate:.0%}; "
-                       f"{row.n_prompts} prompts"}
+             "detail": ("" if pd.isna(row.tau) else f"tau {row.tau:.2f}; ")
+                       + f"exact {row.exact_match_rate:.0%}; {row.n_prompts} prompts"}
             for row in table.itertuples() if row.method != "greedy"]
 
 

@@ -37,7 +37,7 @@ FAST_DTYPE = "bfloat16" if torch.cuda.is_available() else "float32"
 SIZES = {
     "full": {
         "capture": ["--batches", "4"],
-        "metrics": ["--layers", "31", "--tokens", "50000", "--dim", "576"],
+        "metrics": ["--layers", "31", "--tokens", "16384", "--dim", "576"],
         "regenerate": ["--n-batched", "16", "--n-single", "4", "--max-new-tokens", "64",
                        "--dtype", FAST_DTYPE],
         "train": ["--steps", "3", "--dtypes", FAST_DTYPE],
