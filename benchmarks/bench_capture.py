@@ -21,6 +21,7 @@ from safetensors.torch import save as save_tensors
 
 from actwave import models
 from actwave.store import DTYPES, CaptureConfig, _pad_batch, capture_batch, tokenize_split
+from timing import sync  # benchmarks/timing.py
 
 
 def _time(fn) -> float:
@@ -49,20 +50,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     special = set(tokenizer.all_special_ids)
     n_tokens = sum(len(s["input_ids"]) for s in sequences)
 
-    def sync():  # CUDA work is asynchronous: time it to completion
-        if torch.device(args.device).type == "cuda":
-            torch.cuda.synchronize()
-
     def bare(batch):
         ids, mask = _pad_batch(batch, 0)
         with torch.no_grad():
             model(input_ids=ids.to(args.device), attention_mask=mask.to(args.device))
-        sync()
+        sync(args.device)
 
     def captured(batch):
         columns = capture_batch(model, batch, 0, special, DTYPES[args.storage_dtype])
         captured.bytes += len(save_tensors({k: v.contiguous() for k, v in columns.items()}))
-        sync()
+        sync(args.device)
     captured.bytes = 0
 
     bare(batches[0]), captured(batches[0])  # warm-up

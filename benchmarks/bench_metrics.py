@@ -18,24 +18,7 @@ import time
 import torch
 
 from actwave.metrics import StreamingLayerStats
-
-
-def sync(device) -> None:
-    """Wait for queued CUDA work, so wall-clock timings cover it."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def matmul_gflops(size: int = 2048, repeats: int = 3, device: str = "cpu") -> float:
-    a = torch.randn(size, size, dtype=torch.float64, device=device)
-    b = torch.randn(size, size, dtype=torch.float64, device=device)
-    a @ b  # warm-up
-    sync(device)
-    tic = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    sync(device)
-    return 2 * size ** 3 * repeats / (time.perf_counter() - tic) / 1e9
+from timing import matmul_gflops, sync  # benchmarks/timing.py
 
 
 def random_chunk(layers: int, tokens: int, dim: int, seed: int) -> torch.Tensor:
@@ -123,7 +106,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rate = matmul_gflops(device=args.device)
+    rate = matmul_gflops(2048, 2048, 2048, torch.float64, args.device)
     L, n, d = args.layers, args.tokens, args.dim
     flops = n * d * d * L * (L + 1)
     print(f"[machine] float64 matmul {rate:.1f} GFLOP/s on {args.device} "

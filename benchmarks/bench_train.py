@@ -27,29 +27,11 @@ from actwave.config import cache_dir
 from actwave.eagle3.train import (TrainConfig, TrainData, TTTLoss, load_sequences, make_batch,
                                   new_draft, train_step)
 from actwave.store import CaptureStore
+from timing import matmul_gflops, sync  # benchmarks/timing.py
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                      max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)
-
-
-def matmul_gflops(tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
-                  repeats: int = 5, device: str = "cpu") -> float:
-    a = torch.randn(tokens, hidden, dtype=dtype, device=device)
-    b = torch.randn(hidden, vocab, dtype=dtype, device=device)
-    a @ b  # warm-up
-    sync(device)
-    tic = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    sync(device)
-    return 2 * tokens * hidden * vocab * repeats / (time.perf_counter() - tic) / 1e9
-
-
-def sync(device) -> None:
-    """Wait for queued CUDA work, so wall-clock timings cover it."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def draft_train_flops_per_token(draft, ttt_steps: int, seq_len: int) -> float:
@@ -150,7 +132,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         config = TrainConfig(layer_ids=layer_ids, ttt_steps=args.ttt_steps, total_steps=10,
                              warmup_steps=0, batch_size=args.batch_size, max_seq_len=args.seq_len,
                              draft_vocab_size=args.draft_vocab, dtype=dtype_name)
-        peak = matmul_gflops(n_rows, hidden, args.draft_vocab, dtype, device=args.device)
+        peak = matmul_gflops(n_rows, hidden, args.draft_vocab, dtype, args.device, repeats=5)
         tokens_per_s, draft = time_training(target, data, config, args.steps)
         flops = draft_train_flops_per_token(draft, args.ttt_steps, int(mean_len))
         head_flops = 2 * hidden * vocab
