@@ -45,6 +45,7 @@ import logging
 import pandas as pd
 
 from actwave import analysis, plots, selection, store
+from actwave import models as model_zoo
 from actwave.config import repo_root
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
@@ -97,7 +98,7 @@ for name in model_names:
     fig = plots.plot_layer_curves(curves, y="nats", hue="setting", col="measure",
                                   marked_layers=default_layers[name], sharey=True,
                                   ylabel="matrix entropy (nats)", title=name)
-    saved = plots.save_figure(fig, f"02_entropy_depth_{name}", NOTEBOOK)
+    saved = plots.save_figure(fig, f"02_entropy_depth_{model_zoo.slug(name)}", NOTEBOOK)
 
 # %% [markdown]
 # ## All models on one relative-depth axis (normalised entropy H₁ / log min(n, d))

@@ -42,6 +42,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from actwave import analysis, plots, selection, selection_report, store
+from actwave import models as model_zoo
 from actwave.config import repo_root
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
@@ -88,7 +89,7 @@ for name in model_names:
                                    ax=axes[row][col])
     fig.suptitle(f"{name}: linear CKA between layers")
     fig.tight_layout()
-    saved = plots.save_figure(fig, f"03_cka_{name}", NOTEBOOK)
+    saved = plots.save_figure(fig, f"03_cka_{model_zoo.slug(name)}", NOTEBOOK)
 
 # %% [markdown]
 # ## Compartments, and the biased-CKA floor

@@ -46,6 +46,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from actwave import analysis, plots, selection, selection_report, store
+from actwave import models as model_zoo
 from actwave.config import repo_root
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
@@ -93,7 +94,7 @@ for name in model_names:
                                 marked_pairs=default_pairs, title=f"{name} · {label}",
                                 cbar_label="H₂ of [h_i; h_j] (nats)", ax=ax)
     fig.tight_layout()
-    saved = plots.save_figure(fig, f"04_pairs_{name}", NOTEBOOK)
+    saved = plots.save_figure(fig, f"04_pairs_{model_zoo.slug(name)}", NOTEBOOK)
 
 # %% [markdown]
 # ## All triples: distribution of H₂, reference sets marked (legend: percentile)
@@ -112,7 +113,7 @@ for name in model_names:
                                        xlabel=f"H₂ of {k} concatenated layers (nats), "
                                               f"{len(scores)} subsets")
     fig.tight_layout()
-    saved = plots.save_figure(fig, f"04_triples_{name}", NOTEBOOK)
+    saved = plots.save_figure(fig, f"04_triples_{model_zoo.slug(name)}", NOTEBOOK)
 
 # %%
 summary = pd.DataFrame([

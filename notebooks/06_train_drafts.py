@@ -105,7 +105,8 @@ for name in model_names:
         config = TrainConfig(layer_ids=tuple(layers), **training)
         key = {"train": config, "model": name, "store": train_store.config_hash,
                "eval_store": eval_store.config_hash}
-        out_dir = artifact_dir("drafts", key, name=f"{name}-L{'-'.join(map(str, layers))}")
+        label_layers = "-".join(map(str, layers))
+        out_dir = artifact_dir("drafts", key, name=f"{model_zoo.slug(name)}-L{label_layers}")
         result = train_draft(train_store, target, config, out_dir, eval_store=eval_store)
         runs[name, label] = result
         manifest.setdefault(name, {})[label] = str(result.draft_dir.relative_to(cache_dir()))
@@ -156,4 +157,4 @@ for name in model_names:
     sns.move_legend(axes[0][-1], "upper left", bbox_to_anchor=(1.02, 1))
     fig.suptitle(f"{name}: EAGLE-3 draft training per layer set")
     fig.tight_layout()
-    plots.save_figure(fig, f"06_training_curves_{name}", NOTEBOOK)
+    plots.save_figure(fig, f"06_training_curves_{model_zoo.slug(name)}", NOTEBOOK)

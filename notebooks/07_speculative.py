@@ -85,7 +85,7 @@ for name in model_names:
     layer_sets[name] = {label: tuple(draft.layer_ids) for label, draft in drafts.items()}
     runs[name] = evaluate.evaluate(
         target, tokenizer, drafts, evaluate.EvalConfig(**{**vars(config), "model": name}),
-        model_zoo.stop_token_ids(tokenizer, name), out_dir=results_dir, run_name=f"{NOTEBOOK}_records_{name}")
+        model_zoo.stop_token_ids(tokenizer, name), out_dir=results_dir, run_name=f"{NOTEBOOK}_records_{model_zoo.slug(name)}")
     del target, drafts
 
 # %% [markdown]
@@ -155,5 +155,5 @@ for name in model_names:
     grid.set(ylim=(0, 1.02))
     grid.set_axis_labels("draft position i", "acceptance")
     grid.figure.suptitle(f"{name}: acceptance per draft position", y=1.02)
-    plots.save_figure(grid.figure, f"{NOTEBOOK}_acceptance_{name}", NOTEBOOK)
+    plots.save_figure(grid.figure, f"{NOTEBOOK}_acceptance_{model_zoo.slug(name)}", NOTEBOOK)
     plt.close(grid.figure)

@@ -108,3 +108,21 @@ def test_gemma_template_renders_turns():
                   {"role": "user", "content": "Bye"}])
     assert text == ("<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nYo"
                     "<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_slug_is_a_plain_name_for_every_kind_of_model(tmp_path):
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    assert models.slug("smollm2-135m") == "smollm2-135m"
+    assert models.slug(str(folder)) == "my-model"
+    assert models.slug("meta-llama/Llama-3.1-8B") == "meta-llama--Llama-3.1-8B"
+    with pytest.raises(ValueError, match="unknown model"):
+        models.slug("llama")
+
+
+def test_artifact_dir_refuses_a_path_as_name(tmp_path, monkeypatch):
+    from actwave.config import artifact_dir
+    monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="plain folder name"):
+        artifact_dir("drafts", {"a": 1}, name="/tmp/model-L1-2")
+    assert artifact_dir("drafts", {"a": 1}, name="model-L1-2").parent == tmp_path / "drafts"

@@ -1,13 +1,16 @@
-"""Every numbered notebook runs end to end with the smoke profile, in order, via papermill.
+"""Every numbered notebook runs end to end with the smoke profile, in order, via papermill:
+on the bundled SmolLM2, and on a model given as a local folder (what `--model PATH` does).
 
-Each notebook must leave its tables in results/smoke/ (listed in its MANIFEST.json) and its
-figures in the smoke figures folder; a notebook that swallowed an exception would not.
+Each notebook must leave its tables in results/<profile>/ (listed in its MANIFEST.json) and
+its figures in the figures folder; a notebook that swallowed an exception would not.
 """
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,19 +31,51 @@ def smoke_env(tmp_path_factory):
         os.environ["ACTWAVE_FIGURES"] = old
 
 
-@pytest.mark.notebook
-@pytest.mark.parametrize("source", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_with_smoke_profile(source, smoke_env, tmp_path):
+def run_notebook(source: Path, params: dict, results: Path, tmp_path: Path) -> None:
+    """Execute one notebook with papermill; assert it listed a table in the manifest."""
     import jupytext
     import papermill
 
     notebook = tmp_path / f"{source.stem}.ipynb"
     jupytext.write(jupytext.read(source), notebook)
-    params = {**smoke_env["params"], "profile": "smoke"}
-    papermill.execute_notebook(str(notebook), str(smoke_env["results"] / notebook.name),
+    papermill.execute_notebook(str(notebook), str(results / notebook.name),
                                parameters=params, kernel_name="python3",
                                cwd=str(ROOT / "notebooks"), progress_bar=False)
-    manifest_path = smoke_env["results"] / "MANIFEST.json"
+    manifest_path = results / "MANIFEST.json"
     made = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     assert any(entry["notebook"] == source.stem for entry in made.values()), \
-        f"{source.stem} wrote no table to {smoke_env['results']}"
+        f"{source.stem} wrote no table to {results}"
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("source", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_with_smoke_profile(source, smoke_env, tmp_path):
+    run_notebook(source, {**smoke_env["params"], "profile": "smoke"}, smoke_env["results"],
+                 tmp_path)
+
+
+@pytest.mark.notebook
+@pytest.mark.real_model
+def test_pipeline_runs_on_a_local_model_folder(smollm2, smoke_env, tmp_path):
+    """A tiny random Llama saved to a folder (N=8, SmolLM2's tokenizer) through all seven
+    notebooks: figure, table and cache names must come from models.slug, not the path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = smollm2[1]
+    folder = tmp_path / "tiny-llama"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    results = ROOT / "results" / "smoke-local"
+    shutil.rmtree(results, ignore_errors=True)
+    results.mkdir(parents=True)
+    params = {**smoke_env["params"], "profile": "smoke-local", "models": str(folder),
+              "train_models": str(folder)}
+    for source in NOTEBOOKS:
+        run_notebook(source, params, results, tmp_path)
+    figures = sorted(path.name for path in smoke_env["figures"].glob("*tiny-llama*.png"))
+    assert "06_training_curves_tiny-llama.png" in figures and len(figures) >= 5

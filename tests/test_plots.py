@@ -12,7 +12,7 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from actwave import plots  # noqa: E402
+from actwave import config, plots  # noqa: E402
 
 
 def _demo_figure(seed: int = 0):
@@ -152,3 +152,8 @@ def test_figures_byte_stable_across_processes(tmp_path):
         subprocess.run([sys.executable, "-c", script, str(out)], check=True, env=env)
         outputs.append({p.name: p.read_bytes() for p in out.iterdir()})
     assert outputs[0] == outputs[1] and set(outputs[0]) == {"f.png", "f.pdf", "MANIFEST.json"}
+
+
+def test_relative_figures_dir_is_taken_from_the_repo_root(monkeypatch):
+    monkeypatch.setenv("ACTWAVE_FIGURES", "results/x/figures")
+    assert plots.default_figures_dir() == config.repo_root() / "results" / "x" / "figures"

@@ -96,6 +96,17 @@ def resolve(name_or_path: str) -> str:
         f"{sorted(REGISTRY)}, a local model folder, or a Hugging Face id like 'org/name'")
 
 
+def slug(name_or_path: str) -> str:
+    """A file-name-safe label for a model, used in cache, figure and table names: a
+    registry name as it is, a local folder by its folder name, an HF id with '/' as '--'."""
+    resolve(name_or_path)
+    if name_or_path in REGISTRY:
+        return name_or_path
+    if Path(name_or_path).is_dir():
+        return Path(name_or_path).resolve().name
+    return name_or_path.strip("/").replace("/", "--")
+
+
 # Bump when the layout of a cached dequantised model changes (older copies are rebuilt).
 MODEL_CACHE_FORMAT = 2
 

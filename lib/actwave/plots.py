@@ -64,9 +64,10 @@ def setup_style() -> None:
 
 # ----------------------------------------------------------------------------- files
 def default_figures_dir() -> Path:
-    """Where figures go: ``$ACTWAVE_FIGURES`` if set, else ``<repo>/figures``."""
+    """Where figures go: ``$ACTWAVE_FIGURES`` if set (a relative path is taken from the repo
+    root, not from the notebook's working directory), else ``<repo>/figures``."""
     override = os.environ.get("ACTWAVE_FIGURES")
-    return Path(override) if override else config.repo_root() / "figures"
+    return config.repo_root() / (override or "figures")
 
 
 def _check_name(name: str) -> None:

@@ -35,7 +35,7 @@ from transformers import GenerationConfig
 from actwave import data as data_mod
 from actwave.config import (artifact_dir, atomic_write_bytes, atomic_write_json, config_hash,
                             package_versions, save_config, to_jsonable)
-from actwave.models import DTYPES, load, stop_token_ids
+from actwave.models import DTYPES, load, slug, stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,7 @@ class RegenConfig:
 
 def output_dir(config: RegenConfig) -> Path:
     """The cache folder of a config (created)."""
-    safe_model = config.model.replace("/", "--")
-    return artifact_dir("regenerated", config, name=f"{safe_model}-{config.split}")
+    return artifact_dir("regenerated", config, name=f"{slug(config.model)}-{config.split}")
 
 
 # ----------------------------------------------------------------------------- conversations

@@ -39,7 +39,7 @@ from actwave import data as data_mod
 from actwave.capture import entropy_and_argmax, hidden_states, validate_layers
 from actwave.config import (artifact_dir, atomic_write_bytes, atomic_write_json, config_hash,
                             package_versions, to_jsonable)
-from actwave.models import DTYPES, load, num_layers
+from actwave.models import DTYPES, load, num_layers, slug
 from actwave.regenerate import RegenConfig, regenerate
 
 log = logging.getLogger(__name__)
@@ -83,8 +83,7 @@ def analysis_captures(model_names, **capture: object) -> dict[str, CaptureConfig
 
 
 def store_dir(config: CaptureConfig) -> Path:
-    safe_model = config.model.replace("/", "--")
-    return artifact_dir("capture", config, name=f"{safe_model}-{config.split}")
+    return artifact_dir("capture", config, name=f"{slug(config.model)}-{config.split}")
 
 
 def conversations_for(config: CaptureConfig, model=None, tokenizer=None):
