@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save as save_tensors
 
 from actwave import models
+from actwave.speculative import synchronize
 from actwave.store import DTYPES, CaptureConfig, _pad_batch, capture_batch, tokenize_split
-from timing import sync  # benchmarks/timing.py
 
 
 def _time(fn) -> float:
@@ -54,12 +54,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ids, mask = _pad_batch(batch, 0)
         with torch.no_grad():
             model(input_ids=ids.to(args.device), attention_mask=mask.to(args.device))
-        sync(args.device)
+        synchronize(args.device)
 
     def captured(batch):
         columns = capture_batch(model, batch, 0, special, DTYPES[args.storage_dtype])
         captured.bytes += len(save_tensors({k: v.contiguous() for k, v in columns.items()}))
-        sync(args.device)
+        synchronize(args.device)
     captured.bytes = 0
 
     bare(batches[0]), captured(batches[0])  # warm-up

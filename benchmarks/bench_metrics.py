@@ -18,7 +18,8 @@ import time
 import torch
 
 from actwave.metrics import StreamingLayerStats
-from timing import matmul_gflops, sync  # benchmarks/timing.py
+from actwave.speculative import synchronize
+from timing import matmul_gflops  # benchmarks/timing.py
 
 
 def random_chunk(layers: int, tokens: int, dim: int, seed: int) -> torch.Tensor:
@@ -67,11 +68,11 @@ def stream(layers: int, tokens: int, dim: int, chunk: int,
         data = random_chunk(layers, min(chunk, tokens - start), dim, seed=index)
         tic = time.perf_counter()
         acc.update(data)
-        sync(device)
+        synchronize(device)
         update_s += time.perf_counter() - tic
     tic = time.perf_counter()
     stats = acc.finalize()
-    sync(device)
+    synchronize(device)
     return update_s, time.perf_counter() - tic, stats
 
 

@@ -26,8 +26,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from actwave.config import cache_dir
 from actwave.eagle3.train import (TrainConfig, TrainData, TTTLoss, load_sequences, make_batch,
                                   new_draft, train_step)
+from actwave.speculative import synchronize
 from actwave.store import CaptureStore
-from timing import matmul_gflops, sync  # benchmarks/timing.py
+from timing import matmul_gflops  # benchmarks/timing.py
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -87,7 +88,7 @@ def time_training(target, data: TrainData, config: TrainConfig, steps: int) -> t
         tic = time.perf_counter()
         batch = make_batch(data, indices, target, draft, accelerator.device)
         train_step(module, optimizer, scheduler, accelerator, batch, config)
-        sync(device)
+        synchronize(device)
         if step:  # step 0 is warm-up
             elapsed += time.perf_counter() - tic
             tokens += sum(data.input_ids[i].numel() for i in indices)

@@ -1,13 +1,9 @@
-"""Timing helpers shared by the benchmark scripts: CUDA-aware sync and the matmul rate."""
+"""The machine's matmul rate, shared by the benchmark scripts (the denominator of their ratios)."""
 import time
 
 import torch
 
-
-def sync(device) -> None:
-    """Wait for queued CUDA work, so wall-clock timings cover it."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+from actwave.speculative import synchronize
 
 
 def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, device="cpu",
@@ -16,9 +12,9 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, device="cpu",
     a = torch.randn(m, k, dtype=dtype, device=device)
     b = torch.randn(k, n, dtype=dtype, device=device)
     a @ b
-    sync(device)
+    synchronize(device)
     tic = time.perf_counter()
     for _ in range(repeats):
         a @ b
-    sync(device)
+    synchronize(device)
     return 2 * m * k * n * repeats / (time.perf_counter() - tic) / 1e9

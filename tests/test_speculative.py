@@ -65,12 +65,8 @@ class OracleDraft(Eagle3Draft):
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
 def target(request):
+    """conftest's targets, but Gemma3 with mixed sliding-window layers (``GEMMA_WINDOWS``)."""
     return make_target(request.param)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return make_target("llama")
 
 
 def random_draft(target, layer_ids=(1, 2, 4), draft_vocab_size=96):

@@ -33,8 +33,10 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from actwave import data
-from actwave.config import atomic_write_json, config_hash, package_versions, to_jsonable
-from actwave.speculative import generate, greedy_generate
+from actwave.config import (atomic_write_json, cache_dir, config_hash, package_versions,
+                            to_jsonable)
+from actwave.eagle3 import Eagle3Draft
+from actwave.speculative import generate, greedy_generate, synchronize
 
 log = logging.getLogger(__name__)
 BENCHMARKS = ("mtbench", "humaneval", "sharegpt")
@@ -93,9 +95,6 @@ def benchmark_prompts(benchmark: str, n: int) -> list[dict]:
 def load_drafts(target, draft_dirs: dict[str, str | Path]) -> dict:
     """{label: draft dir} -> {label: Eagle3Draft in the target's dtype}; relative dirs are
     under ``cache_dir()`` (as notebook 06 records them). Checked against ``target``."""
-    from actwave.config import cache_dir
-    from actwave.eagle3 import Eagle3Draft
-
     dtype = next(target.parameters()).dtype
     drafts = {}
     for label, directory in draft_dirs.items():
@@ -149,11 +148,10 @@ def build_methods(target, drafts: dict, config: EvalConfig, eos: list[int]) -> d
 
 def _timed(method: Method, input_ids: torch.Tensor) -> dict:
     """Run one method; wall-clock seconds with CUDA work synchronised."""
-    synchronise = torch.cuda.synchronize if input_ids.device.type == "cuda" else (lambda *_: None)
-    synchronise(input_ids.device)
+    synchronize(input_ids.device)
     began = time.perf_counter()
     out = method(input_ids)
-    synchronise(input_ids.device)
+    synchronize(input_ids.device)
     return {**out, "seconds": time.perf_counter() - began}
 
 

@@ -56,6 +56,12 @@ class GreedyResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def synchronize(device) -> None:
+    """Wait for queued CUDA work on ``device`` so wall-clock timings cover it (CPU: no-op)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class _Clock:
     """Wall-clock sections; synchronises CUDA so device work is timed, not queued."""
 
@@ -64,8 +70,7 @@ class _Clock:
         self.start = self._now()
 
     def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         return time.perf_counter()
 
     def lap(self, section: str, since: float) -> float:
