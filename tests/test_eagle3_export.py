@@ -1,4 +1,6 @@
-"""Exports of EAGLE-3 drafts to vLLM speculators and SGLang/SpecForge formats."""
+"""Exports of EAGLE-3 drafts to vLLM speculators and SGLang/SpecForge formats, and the
+layer ids each engine version reads (checked against each engine's rule re-implemented here)."""
+import itertools
 import json
 
 import pytest
@@ -6,12 +8,96 @@ import torch
 from safetensors.torch import load_file
 
 from actwave.eagle3 import Eagle3Draft
-from actwave.eagle3.export import (export_specforge, export_speculators, load_specforge,
-                                   load_speculators, sglang_layer_ids)
+from actwave.eagle3.export import (ENGINES, engine_layer_ids, engine_reads, export_specforge,
+                                   export_speculators, load_specforge, load_speculators)
 from conftest import tiny_model
 
-LAYER_IDS = (1, 2, 3)  # SGLang can serve these (not ℓ = N = 4)
-VLLM_LAYER_IDS = (1, 2, 4)  # vLLM also takes ℓ = N, the last block output
+LAYER_IDS = (2, 3)  # every engine of both formats can serve these on N = 4
+VLLM_LAYER_IDS = (1, 2, 4)  # current vLLM also takes ℓ = N, the last block output
+
+
+# Each engine's reading of eagle_aux_hidden_state_layer_ids, written from its source code:
+# ids (depth order) -> the layers ℓ it captures, or None when it cannot capture them.
+def _within(layers, low, high):
+    return tuple(sorted(layers)) if all(low <= v <= high for v in layers) else None
+
+
+def vllm_current(ids, n):  # EagleModelMixin: 0 = embeddings, id = output of block id-1
+    return _within(ids, 0, n)
+
+
+def vllm_before_36063(ids, n):  # input of block id (hidden + residual: none before block 0)
+    return _within(ids, 1, n - 1)
+
+
+def sglang_current(ids, n):  # PR 25454: +1 only when the first id is 1; input of block i
+    return _within([i + 1 for i in ids] if ids[0] == 1 else ids, 0, n - 1)
+
+
+def sglang_before_25454(ids, n):  # +1 always; a negative id is no block index
+    return _within([i + 1 for i in ids], 1, n - 1) if min(ids) >= 0 else None
+
+
+def specforge_hf(ids, n):  # forward hook on the output of 0-based block id; 3 aux layers
+    return _within([i + 1 for i in ids], 1, n) if len(ids) == 3 else None
+
+
+REFERENCE = {"vllm>=pr36063": vllm_current, "vllm<pr36063": vllm_before_36063,
+             "sglang>=pr25454": sglang_current, "sglang<pr25454": sglang_before_25454,
+             "specforge-hf": specforge_hf}
+
+
+def test_every_engine_has_a_reference_rule():
+    assert set(REFERENCE) == set(ENGINES)
+
+
+@pytest.mark.parametrize("engine", sorted(REFERENCE))
+@pytest.mark.parametrize("num_layers", [1, 2, 3, 5, 7])
+def test_written_ids_are_read_as_the_trained_layers(engine, num_layers):
+    """All sets of ℓ ∈ 0..N: the ids written read back as the set, and a refused set has
+    no ids (in depth order, −1..N+1) that the engine would read as it."""
+    reference = REFERENCE[engine]
+    expressible = {}
+    for k in range(1, num_layers + 2):
+        for ids in itertools.combinations(range(-1, num_layers + 2), k):
+            layers = reference(list(ids), num_layers)
+            if layers is not None:
+                expressible.setdefault(layers, ids)
+    for k in range(1, num_layers + 2):
+        for layers in itertools.combinations(range(num_layers + 1), k):
+            try:
+                ids = engine_layer_ids(layers, num_layers, engine)
+            except ValueError:
+                assert layers not in expressible, f"{engine} can read {expressible.get(layers)}"
+                continue
+            assert reference(ids, num_layers) == layers
+            assert engine_reads(engine, ids, num_layers) == layers
+
+
+def test_current_sglang_reads_old_minus_one_exports_wrongly():
+    """The bug PR 25454 introduced for ℓ − 1 exports, and the ids that fix it."""
+    assert sglang_current([10, 27, 28], 30) == (10, 27, 28)  # trained (11, 28, 29)
+    assert engine_layer_ids((11, 28, 29), 30, "sglang>=pr25454") == [11, 28, 29]
+    assert engine_layer_ids((11, 28, 29), 30, "sglang<pr25454") == [10, 27, 28]
+    # smallest ℓ = 2: the ℓ − 1 form is read right by both SGLang rules
+    ids = engine_layer_ids((2, 15, 27), 30, "sglang>=pr25454")
+    assert ids == [1, 14, 26] and sglang_before_25454(ids, 30) == (2, 15, 27)
+
+
+@pytest.mark.parametrize("layers, engine, message", [
+    ((1, 15, 27), "sglang>=pr25454", "first id of 1"),
+    ((2, 15, 30), "sglang>=pr25454", r"cannot capture layer\(s\) \[30\]"),
+    ((0, 15, 27), "sglang<pr25454", r"cannot capture layer\(s\) \[0\]"),
+    ((0, 15, 27), "vllm<pr36063", r"layer\(s\) \[0\]"),
+    ((2, 15), "specforge-hf", "exactly 3"),
+    ((15, 2, 27), "vllm>=pr36063", "strictly increasing"),
+    ((2, 2, 27), "vllm>=pr36063", "strictly increasing"),
+    ((2.0, 15, 27), "vllm>=pr36063", "ints"),
+    ((2, 15, 27), "sglang", "unknown engine 'sglang'"),
+])
+def test_unrepresentable_sets_are_refused_with_the_reason(layers, engine, message):
+    with pytest.raises(ValueError, match=message):
+        engine_layer_ids(layers, 30, engine)
 
 
 def trained_looking_draft(target, layer_ids=LAYER_IDS):
@@ -39,13 +125,18 @@ def our_logits(draft, target_states, input_ids, position_ids):
         return draft(input_ids, draft.fuse(target_states), position_ids).logits
 
 
-@pytest.mark.parametrize("export, load", [(export_speculators, load_speculators),
-                                          (export_specforge, load_specforge)])
-def test_export_load_round_trip_identical_logits(target, tmp_path, export, load):
-    draft = trained_looking_draft(target)
-    export(draft, tmp_path, "org/target")
-    loaded = load(tmp_path, target).eval()
-    assert loaded.layer_ids == LAYER_IDS
+FORMATS = {"speculators": (export_speculators, load_speculators),
+           "sglang": (export_specforge, load_specforge)}
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_export_load_round_trip_identical_logits(target, tmp_path, engine):
+    layer_ids = (1, 2, 3) if engine == "specforge-hf" else LAYER_IDS
+    export, load = FORMATS[ENGINES[engine].fmt]
+    draft = trained_looking_draft(target, layer_ids)
+    export(draft, tmp_path, "org/target", engine=engine)
+    loaded = load(tmp_path, target).eval()  # the engine recorded in the export reads the ids
+    assert loaded.layer_ids == layer_ids
     inputs = draft_inputs(draft)
     assert torch.equal(our_logits(draft, *inputs), our_logits(loaded, *inputs))
     assert loaded.config == draft.config
@@ -61,36 +152,59 @@ def test_speculators_config_and_names(llama, tmp_path):
     assert record["norm_before_residual"] is False  # vLLM defaults to True when absent
     assert record["draft_vocab_size"] == 40 and record["transformer_layer_config"]["vocab_size"] == 128
     assert record["speculators_config"]["verifier"]["name_or_path"] == "org/target"
-    assert "hidden_states[ℓ]" in record["actwave"]["layer_id_convention"]
+    block = record["actwave"]
+    assert "hidden_states[ℓ]" in block["layer_id_convention"]
+    assert block["engine"] == "vllm>=pr36063" and "36063" in block["engine_rule_source"]
+    assert block["read_as_trained_by"] == ["vllm>=pr36063"]  # ℓ = N: not the older vLLM
     names = set(load_file(tmp_path / "model.safetensors"))
     assert {"fc.weight", "layers.0.hidden_norm.weight", "layers.0.self_attn.q_proj.weight",
             "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
     assert not any(name.startswith(("midlayer.", "embed_tokens.")) for name in names)
 
 
-def test_specforge_config_uses_sglang_minus_one_ids(llama, tmp_path):
-    draft = trained_looking_draft(llama, layer_ids=(0, 2, 3))
-    export_specforge(draft, tmp_path, "org/target")
+@pytest.mark.parametrize("layer_ids, ids, readers", [
+    ((2, 3), [1, 2], ["sglang>=pr25454", "sglang<pr25454"]),
+    ((0, 2, 3), [0, 2, 3], ["sglang>=pr25454"]),
+    ((3,), [3], ["sglang>=pr25454"]),
+])
+def test_specforge_config_records_ids_engine_and_readers(llama, tmp_path, layer_ids, ids,
+                                                         readers):
+    export_specforge(trained_looking_draft(llama, layer_ids), tmp_path, "org/target")
     record = json.loads((tmp_path / "config.json").read_text())
-    ids = record["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    assert ids == [-1, 1, 2]
-    # SGLang captures the input of block id+1 = HF hidden_states[id+1]: our ℓ again.
-    assert tuple(i + 1 for i in ids) == draft.layer_ids
+    assert record["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ids
+    assert sglang_current(ids, 4) == layer_ids
+    block = record["actwave"]
+    assert block["engine"] == "sglang>=pr25454" and "25454" in block["engine_rule_source"]
+    assert block["read_as_trained_by"] == readers and block["layer_ids"] == list(layer_ids)
     assert record["architectures"] == ["LlamaForCausalLMEagle3"]
     names = set(load_file(tmp_path / "model.safetensors"))
     assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight",
             "d2t", "t2d"} <= names
 
 
-def test_speculators_warns_for_embedding_layer(llama, tmp_path):
-    with pytest.warns(UserWarning, match="layer id 0"):
-        export_speculators(trained_looking_draft(llama, (0, 2)), tmp_path, "org/target")
+def test_exports_refuse_what_their_engine_cannot_serve(llama, tmp_path):
+    with pytest.raises(ValueError, match="first id of 1"):
+        export_specforge(trained_looking_draft(llama, (1, 2, 3)), tmp_path)
+    with pytest.raises(ValueError, match=r"layer\(s\) \[4\]"):
+        export_specforge(trained_looking_draft(llama, (2, 4)), tmp_path)
+    with pytest.raises(ValueError, match="does not read the speculators format"):
+        export_speculators(trained_looking_draft(llama), tmp_path, "org/t", engine="sglang<pr25454")
+    assert not (tmp_path / "config.json").exists()
 
 
-def test_specforge_rejects_last_layer(llama, tmp_path):
-    with pytest.raises(ValueError, match="layer id 4"):
-        export_specforge(trained_looking_draft(llama, layer_ids=(1, 4)), tmp_path)
-    assert sglang_layer_ids((1, 2), 4) == [0, 1]
+def test_loading_reads_ids_by_the_recorded_or_current_engine(llama, tmp_path):
+    """An older actwave export (no engine recorded) wrote ℓ − 1; a foreign checkpoint is
+    read as a current SGLang would read it."""
+    export_specforge(trained_looking_draft(llama, (2, 3)), tmp_path)
+    record = json.loads((tmp_path / "config.json").read_text())
+    record["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 2]
+    del record["actwave"]["engine"]
+    (tmp_path / "config.json").write_text(json.dumps(record))
+    assert load_specforge(tmp_path, llama).layer_ids == (1, 3)
+    del record["actwave"]
+    (tmp_path / "config.json").write_text(json.dumps(record))
+    assert load_specforge(tmp_path, llama).layer_ids == (0, 2)
+    assert load_specforge(tmp_path, llama, engine="sglang<pr25454").layer_ids == (1, 3)
 
 
 def test_load_speculators_rejects_unsupported_variant(llama, tmp_path):

@@ -4,26 +4,26 @@ Two formats, both ``config.json`` + ``model.safetensors`` (no pickles):
 
 - vLLM ``speculators`` (v0.9 layout): ``speculators_model_type: "eagle3"``, a Llama
   ``transformer_layer_config`` for the single draft layer, weights ``fc.*``,
-  ``layers.0.*``, ``norm.*``, ``lm_head.*``, ``d2t``, ``t2d``. vLLM reads
-  ``eagle_aux_hidden_state_layer_ids`` as given and captures the hidden state
-  *entering* block ℓ (HF ``hidden_states[ℓ]``) — exactly actwave's ℓ.
+  ``layers.0.*``, ``norm.*``, ``lm_head.*``, ``d2t``, ``t2d``.
 - SGLang / SpecForge: a ``LlamaForCausalLMEagle3`` config with
   ``eagle_config.eagle_aux_hidden_state_layer_ids`` and SafeAILab weight names
-  (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``). SGLang adds +1 to
-  explicitly configured ids (it captures the input of block id+1, i.e. the output of
-  block id), and SpecForge's HF backend hooks block outputs with 0-based ids: both
-  read ``id = ℓ − 1`` for actwave's ℓ (notes/eagle3-reference.md, sglang PR #25454).
+  (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``).
+
+Which physical layers an engine feeds the draft depends on how *that engine version*
+reads ``eagle_aux_hidden_state_layer_ids`` (``ENGINES``; each rule, its source and the
+sets it cannot express: docs/METHODS.md §12). Every export names its engine, writes the
+ids that engine reads as the trained ℓ, refuses a set the engine cannot express (saying
+why), and records the rule in the config's ``actwave`` block.
 
 The target embedding is never exported (both servers share the target's). For Gemma
 targets the servers' shared embedding lacks Gemma's √H normaliser, which is harmless:
 the draft reads the embedding only through input_layernorm, an RMSNorm, and RMSNorm is
-scale-invariant (up to eps). Both configs carry an ``actwave`` block recording the
-layer-id convention and provenance.
+scale-invariant (up to eps).
 """
 from __future__ import annotations
 
 import json
-import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -71,11 +71,6 @@ def _layer_config(config: Eagle3Config) -> dict:
     }
 
 
-def _actwave_block(draft: Eagle3Draft, convention: str) -> dict:
-    return {"layer_id_convention": convention, "layer_ids": list(draft.layer_ids),
-            "eagle3_config": draft.config.to_dict(), "versions": package_versions()}
-
-
 def _write(out_dir, record: dict, tensors: dict[str, torch.Tensor]) -> Path:
     out_dir = Path(out_dir)
     save_tensors(out_dir / WEIGHTS_NAME, tensors)
@@ -89,18 +84,15 @@ def _dtype_name(draft: Eagle3Draft) -> str:
 
 def export_speculators(draft: Eagle3Draft, out_dir, target_name_or_path: str,
                        verifier_architectures: list[str] | None = None,
-                       speculative_tokens: int = 3) -> Path:
-    """Write ``draft`` in vLLM ``speculators`` EAGLE-3 format; returns ``out_dir``.
+                       speculative_tokens: int = 3, engine: str = "vllm>=pr36063") -> Path:
+    """Write ``draft`` in vLLM ``speculators`` EAGLE-3 format for ``engine``; returns ``out_dir``.
 
     target_name_or_path: the verifier as vLLM/speculators should load it (hub id or
-    path); verifier_architectures: its ``config.architectures`` (recorded only).
-    Warns for ℓ = 0: vLLM's Llama-family capture adds the residual stream, which does
-    not exist yet before block 0 (ℓ = N is accepted, as speculators' own launcher
-    emits it for the final hidden state).
+    path); verifier_architectures: its ``config.architectures`` (recorded only);
+    engine: a ``speculators``-format key of ``ENGINES`` (ValueError if it cannot
+    capture the draft's layers).
     """
-    if 0 in draft.layer_ids:
-        warnings.warn("layer id 0 (the embeddings) is exported, but vLLM's Llama-family "
-                      "models cannot capture it (no residual before block 0)", stacklevel=2)
+    ids = _checked_ids(draft, engine, "speculators")
     config = draft.config
     record = {
         "architectures": ["Eagle3Speculator"],
@@ -111,7 +103,7 @@ def export_speculators(draft: Eagle3Draft, out_dir, target_name_or_path: str,
         "target_hidden_size": config.target_hidden_size,
         # Must be explicit: vLLM assumes True when the key is absent.
         "norm_before_residual": False,
-        "eagle_aux_hidden_state_layer_ids": list(draft.layer_ids),
+        "eagle_aux_hidden_state_layer_ids": ids,
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy",
@@ -121,45 +113,171 @@ def export_speculators(draft: Eagle3Draft, out_dir, target_name_or_path: str,
                          "architectures": list(verifier_architectures or [])},
         },
         "torch_dtype": _dtype_name(draft),
-        "actwave": _actwave_block(draft, ACTWAVE_CONVENTION + "; eagle_aux_hidden_state_layer_ids "
-                                  "are ℓ as-is, the ids vLLM captures"),
+        "actwave": _engine_block(draft, engine, ids, "speculators"),
     }
     tensors = {_rename(name, OUR_LAYER_PREFIX, SPECULATORS_LAYER_PREFIX): tensor
                for name, tensor in draft.trainable_state_dict().items()}
     return _write(out_dir, record, tensors)
 
 
-def sglang_layer_ids(layer_ids, num_layers: int) -> list[int]:
-    """actwave ℓ -> the id SGLang/SpecForge configs need (ℓ − 1), validated.
+@dataclass(frozen=True)
+class Engine:
+    """One engine version's reading of ``eagle_aux_hidden_state_layer_ids``.
 
-    SGLang captures the input of block ``id + 1`` for an explicit id, so ℓ = 0 (the
-    embeddings, input of block 0) is written as −1 and ℓ = N (no block N exists to
-    capture the input of) cannot be expressed.
+    ``offset``: the engine captures ℓ = id + offset; ``lowest``/``highest``: the ℓ range
+    it can capture for an N-layer target (``highest`` counts back from N: 0 means ℓ = N,
+    1 means ℓ = N − 1); ``fmt``: the checkpoint format that carries the ids.
     """
-    ids = list(layer_ids)
-    if num_layers in ids:
-        raise ValueError(f"layer id {num_layers} (= N, the last block's output) cannot be "
-                         "served by SGLang: it captures only inputs of blocks 0..N-1, "
-                         f"i.e. actwave ids 0..{num_layers - 1}")
-    return [layer_id - 1 for layer_id in ids]
+
+    name: str
+    fmt: str
+    rule: str
+    source: str
+    offset: int
+    lowest: int
+    highest: int
+    max_k: int | None = None
 
 
-def export_specforge(draft: Eagle3Draft, out_dir, target_name_or_path: str = "") -> Path:
-    """Write ``draft`` as an SGLang/SpecForge ``LlamaForCausalLMEagle3`` checkpoint."""
+SGLANG_RULE_SOURCE = "sgl-project/sglang PR #25454 (merged 2026-05-16)"
+ENGINES: dict[str, Engine] = {engine.name: engine for engine in (
+    Engine("vllm>=pr36063", "speculators",
+           "ids as given; 0 = embeddings, id = output of block id-1 (EagleModelMixin)",
+           "vllm-project/vllm PR #36063", offset=0, lowest=0, highest=0),
+    Engine("vllm<pr36063", "speculators",
+           "ids as given; captures the input of block id (blocks 0..N-1; the residual "
+           "is added, so id 0 fails)", "vllm-project/vllm PR #36063", offset=0, lowest=1,
+           highest=1),
+    Engine("sglang>=pr25454", "sglang",
+           "+1 to every id when the first id is 1, else ids as given; captures the input "
+           "of block id (blocks 0..N-1)", SGLANG_RULE_SOURCE, offset=0, lowest=0, highest=1),
+    Engine("sglang<pr25454", "sglang",
+           "+1 to every id; captures the input of block id+1 (blocks 0..N-1; ids ≥ 0)",
+           SGLANG_RULE_SOURCE, offset=1, lowest=1, highest=1),
+    Engine("specforge-hf", "sglang",
+           "SpecForge HF target backend: hooks the output of 0-based block id, exactly 3 ids",
+           "sgl-project/SpecForge specforge/modeling/target/eagle3_target_model.py",
+           offset=1, lowest=1, highest=0, max_k=3),
+)}
+
+
+def engine_reads(engine: str, ids, num_layers: int) -> tuple[int, ...]:
+    """The layers ℓ that ``engine`` captures for configured ``ids`` (depth order).
+
+    ValueError when the engine cannot capture them for an N = ``num_layers`` target.
+    """
+    rule = _engine(engine)
+    ids = [int(i) for i in ids]
+    shift = 1 if rule.name == "sglang>=pr25454" and ids[:1] == [1] else rule.offset
+    layers = tuple(sorted(i + shift for i in ids))
+    _check_reach(rule, layers, num_layers)
+    return layers
+
+
+def engine_layer_ids(layer_ids, num_layers: int, engine: str) -> list[int]:
+    """actwave ℓ -> the ids ``engine`` reads as exactly these layers; ValueError if none.
+
+    Engines capture in depth order whatever the config order, so ``layer_ids`` must be
+    strictly increasing (the fc of the draft concatenates them in that order).
+    """
+    rule = _engine(engine)
+    ids = _increasing(layer_ids)
+    _check_reach(rule, ids, num_layers)
+    if rule.name == "sglang>=pr25454":
+        return _sglang_current_ids(ids)
+    return [v - rule.offset for v in ids]
+
+
+def _check_reach(rule: Engine, layers: tuple[int, ...], num_layers: int) -> None:
+    """Refuse layers outside the engine's reach, or the wrong number of them."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"the target's number of layers N must be an int ≥ 1, got {num_layers!r}")
+    top = num_layers - rule.highest
+    outside = [v for v in layers if not rule.lowest <= v <= top]
+    if outside:
+        raise ValueError(f"{rule.name} cannot capture layer(s) {outside} of an N={num_layers} "
+                         f"target: it reaches ℓ = {rule.lowest}..{top} ({rule.rule})")
+    if rule.max_k is not None and len(layers) != rule.max_k:
+        raise ValueError(f"{rule.name} takes exactly {rule.max_k} layer ids, got {len(layers)}")
+
+
+def _sglang_current_ids(ids: tuple[int, ...]) -> list[int]:
+    """Current SGLang: ℓ as given unless the first is 1; smallest ℓ = 2 is written ℓ − 1.
+
+    ℓ − 1 with first id 1 is read +1 by every SGLang version, so such exports also serve
+    older servers. A set starting at ℓ = 1 has no form: written as is, its first id 1
+    triggers the +1; written as ℓ − 1, its first id 0 is taken as is.
+    """
+    if ids[0] == 1:
+        raise ValueError(f"sglang>=pr25454 cannot express {list(ids)}: a first id of 1 makes it "
+                         "add +1 to every id, and the shifted form starts at 0, which it takes "
+                         "as is; drop layer 1 or serve with vllm>=pr36063 or sglang<pr25454")
+    return [v - 1 for v in ids] if ids[0] == 2 else list(ids)
+
+
+def readers_of(ids, layer_ids, num_layers: int, fmt: str) -> list[str]:
+    """Engines of checkpoint format ``fmt`` that read ``ids`` as exactly ``layer_ids``."""
+    wanted = tuple(int(v) for v in layer_ids)
+    readers = []
+    for name, rule in ENGINES.items():
+        try:
+            if rule.fmt == fmt and engine_reads(name, ids, num_layers) == wanted:
+                readers.append(name)
+        except ValueError:
+            continue  # this engine cannot capture them at all
+    return readers
+
+
+def _engine(engine: str) -> Engine:
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; known: {sorted(ENGINES)}")
+    return ENGINES[engine]
+
+
+def _increasing(layer_ids) -> tuple[int, ...]:
+    ids = tuple(layer_ids)
+    if (not ids or any(isinstance(v, bool) or not isinstance(v, int) for v in ids)
+            or any(a >= b for a, b in zip(ids, ids[1:]))):
+        raise ValueError(f"layer ids must be strictly increasing ints (engines capture in depth "
+                         f"order), got {list(ids)}")
+    return ids
+
+
+def _engine_block(draft: Eagle3Draft, engine: str, ids: list[int], fmt: str) -> dict:
+    """The ``actwave`` record of an export: convention, engine rule, source, readers."""
+    rule = ENGINES[engine]
+    num_layers = draft.config.target_num_layers
+    return {"layer_id_convention": ACTWAVE_CONVENTION, "layer_ids": list(draft.layer_ids),
+            "eagle3_config": draft.config.to_dict(), "versions": package_versions(),
+            "engine": engine, "engine_rule": rule.rule, "engine_rule_source": rule.source,
+            "written_layer_ids": ids,
+            "read_as_trained_by": readers_of(ids, draft.layer_ids, num_layers, fmt)}
+
+
+def _checked_ids(draft: Eagle3Draft, engine: str, fmt: str) -> list[int]:
+    if _engine(engine).fmt != fmt:
+        raise ValueError(f"engine {engine!r} does not read the {fmt} format; use one of "
+                         f"{[name for name, rule in ENGINES.items() if rule.fmt == fmt]}")
+    return engine_layer_ids(draft.layer_ids, draft.config.target_num_layers, engine)
+
+
+def export_specforge(draft: Eagle3Draft, out_dir, target_name_or_path: str = "",
+                     engine: str = "sglang>=pr25454") -> Path:
+    """Write ``draft`` as an SGLang/SpecForge ``LlamaForCausalLMEagle3`` checkpoint.
+
+    engine: an ``sglang``-format key of ``ENGINES``; the ids are those it reads as the
+    draft's layers (ValueError naming the reason if it cannot express them).
+    """
+    ids = _checked_ids(draft, engine, "sglang")
     config = draft.config
     record = {
         **_layer_config(config),
         "architectures": ["LlamaForCausalLMEagle3"],
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
-        # SGLang adds +1 to explicit ids ("output of layer id"), so ℓ − 1 here makes it
-        # capture hidden_states[ℓ], the same physical layers the draft was trained on.
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids":
-                         sglang_layer_ids(draft.layer_ids, config.target_num_layers),
-                         "use_aux_hidden_state": True},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
         "torch_dtype": _dtype_name(draft),
-        "actwave": {**_actwave_block(draft, ACTWAVE_CONVENTION + "; eagle_config ids are ℓ − 1 "
-                                     "because SGLang adds 1 to explicitly configured ids"),
+        "actwave": {**_engine_block(draft, engine, ids, "sglang"),
                     "target_name_or_path": str(target_name_or_path or config.target_model)},
     }
     return _write(out_dir, record, draft.trainable_state_dict())
@@ -209,13 +327,25 @@ def _read_tensors(directory: Path, config: Eagle3Config) -> dict[str, torch.Tens
     return tensors
 
 
+def _read_ids(record: dict, ids, target: nn.Module, engine: str | None,
+              fallback: str) -> tuple[int, ...]:
+    """The layers ℓ that ``ids`` stand for under the given, recorded or fallback engine."""
+    engine = engine or record.get("actwave", {}).get("engine") or fallback
+    num_layers = int(target_text_config(target).num_hidden_layers)
+    return engine_reads(engine, ids, num_layers)
+
+
 def _read_config(directory) -> tuple[Path, dict]:
     directory = Path(directory)
     return directory, json.loads((directory / "config.json").read_text())
 
 
-def load_speculators(directory, target: nn.Module) -> Eagle3Draft:
-    """Load a vLLM ``speculators`` EAGLE-3 checkpoint as an Eagle3Draft for ``target``."""
+def load_speculators(directory, target: nn.Module, engine: str | None = None) -> Eagle3Draft:
+    """Load a vLLM ``speculators`` EAGLE-3 checkpoint as an Eagle3Draft for ``target``.
+
+    The ids are read by ``engine``'s rule: default the engine the export recorded, else
+    the current vLLM's.
+    """
     directory, record = _read_config(directory)
     if record.get("speculators_model_type") != "eagle3":
         raise ValueError(f"{directory} is not a speculators EAGLE-3 checkpoint "
@@ -225,7 +355,9 @@ def load_speculators(directory, target: nn.Module) -> Eagle3Draft:
         raise ValueError(f"speculators options {enabled} are not implemented by actwave's "
                          "draft layer (all must be false)")
     layer_config = record["transformer_layer_config"]
-    layer_ids = record.get("eagle_aux_hidden_state_layer_ids") or _default_layer_ids(target)
+    explicit_ids = record.get("eagle_aux_hidden_state_layer_ids")
+    layer_ids = (_read_ids(record, explicit_ids, target, engine, "vllm>=pr36063")
+                 if explicit_ids else _default_layer_ids(target))
     verifier = record.get("speculators_config", {}).get("verifier", {})
     target_model = record.get("actwave", {}).get("eagle3_config", {}).get(
         "target_model", verifier.get("name_or_path") or "")
@@ -235,11 +367,17 @@ def load_speculators(directory, target: nn.Module) -> Eagle3Draft:
     return Eagle3Draft.from_state(config, _read_tensors(directory, config), target)
 
 
-def load_specforge(directory, target: nn.Module) -> Eagle3Draft:
-    """Load an SGLang/SpecForge EAGLE-3 checkpoint (ids ℓ − 1, see module doc) for ``target``."""
+def load_specforge(directory, target: nn.Module, engine: str | None = None) -> Eagle3Draft:
+    """Load an SGLang/SpecForge EAGLE-3 checkpoint for ``target``.
+
+    The ids are read by ``engine``'s rule: default the engine the export recorded (an
+    older actwave export without one wrote ℓ − 1 for ``sglang<pr25454``), else the
+    current SGLang's — the layers a server of today would feed the draft.
+    """
     directory, record = _read_config(directory)
     explicit_ids = record.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
-    layer_ids = ([layer_id + 1 for layer_id in explicit_ids] if explicit_ids
+    legacy = "sglang<pr25454" if "actwave" in record else "sglang>=pr25454"
+    layer_ids = (_read_ids(record, explicit_ids, target, engine, legacy) if explicit_ids
                  else _default_layer_ids(target))
     target_model = record.get("actwave", {}).get("eagle3_config", {}).get("target_model", "")
     config = _config_from(record, layer_ids,
