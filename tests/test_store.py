@@ -7,6 +7,7 @@ import torch
 from conftest import tiny_model
 
 from actwave import store
+from actwave.integrity import IntegrityError
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_interrupted_capture_resumes_to_identical_shards(tiny_target, tokenizer,
         calls.append(path)
         if len(calls) == 2:
             raise KeyboardInterrupt("simulated interruption")
-        real_write(path, columns)
+        return real_write(path, columns)
     monkeypatch.setattr(store, "_write_shard", failing_write)
     with pytest.raises(KeyboardInterrupt):
         store.run_capture(config, tiny_target, tokenizer, progress=False)
@@ -85,11 +86,11 @@ def test_stale_and_corrupted_caches_are_refused(tiny_target, tokenizer):
     with pytest.raises(ValueError, match="stale capture cache"):
         store.run_capture(config, tiny_target, tokenizer, progress=False)
     (s.path / "manifest.json").write_text("{not json")
-    with pytest.raises(ValueError, match="corrupted capture manifest"):
+    with pytest.raises(IntegrityError, match="manifest.json: content expected valid JSON"):
         store.CaptureStore(s.path)
     good = store.run_capture(_fresh(_config(seed=105)), tiny_target, tokenizer, progress=False)
     (good.path / good.manifest["shards"][0]["file"]).write_bytes(b"garbage")
-    with pytest.raises(ValueError, match="corrupted capture shard"):
+    with pytest.raises(IntegrityError, match="shard-00000.safetensors: size expected"):
         good.column("entropy")
 
 

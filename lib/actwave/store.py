@@ -20,10 +20,16 @@ Store folder ``cache_dir()/capture/<model>-<split>-<hash>/``:
 
 Shards are written to a temp file and renamed, and the manifest is rewritten after each
 shard, so an interrupted pass resumes at the first missing shard.
+
+Integrity (``actwave.integrity``): the manifest records each shard's size and sha256 and
+the fingerprint of the model that made it (name, config, shapes, weights, dtype).
+``run_capture`` refuses a model that does not match the config or the store, writes under
+a lock on the folder (one writer at a time), and on a finished store re-verifies every
+shard and recaptures only those that fail (the repair). Readers check sizes on open and
+each shard's sha256 on its first read in a process.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -39,6 +45,9 @@ from actwave import data as data_mod
 from actwave.capture import entropy_and_argmax, hidden_states, validate_layers
 from actwave.config import (artifact_dir, atomic_write_bytes, atomic_write_json, config_hash,
                             package_versions, to_jsonable)
+from actwave.integrity import (IntegrityError, WriterLock, bytes_record, check_size,
+                               fingerprint_mismatch, model_dtype, model_fingerprint, read_json,
+                               verify_file, verify_once)
 from actwave.models import DTYPES, load, num_layers, slug
 from actwave.regenerate import RegenConfig, regenerate
 
@@ -160,20 +169,22 @@ def _concat(parts: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_shard(path: Path, columns: dict[str, torch.Tensor]) -> None:
-    tensors = {k: v.contiguous() for k, v in columns.items()}
-    atomic_write_bytes(path, save_tensors(tensors))
+def _write_shard(path: Path, columns: dict[str, torch.Tensor]) -> dict:
+    """Write one shard atomically; -> its integrity record {"bytes", "sha256"}."""
+    data = save_tensors({k: v.contiguous() for k, v in columns.items()})
+    atomic_write_bytes(path, data)
+    return bytes_record(data)
 
 
 def _new_manifest(config: CaptureConfig, model, dataset_hash: str, n_sequences: int,
-                  tokenizer) -> dict:
+                  tokenizer, fingerprint: dict) -> dict:
     return {"config": to_jsonable(config), "config_hash": config_hash(config),
             "dataset_hash": dataset_hash, "n_sequences": n_sequences,
             "num_layers": num_layers(model), "hidden_size": int(model.config.get_text_config().hidden_size),
             "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
             "chat_template": tokenizer.chat_template, "versions": package_versions(),
-            "storage_dtype": config.storage_dtype, "shards": [], "n_tokens": 0, "complete": False,
-            "seconds": 0.0}
+            "storage_dtype": config.storage_dtype, "model": fingerprint,
+            "shards": [], "n_tokens": 0, "complete": False, "seconds": 0.0}
 
 
 def _check_manifest(manifest: dict, config: CaptureConfig, dataset_hash: str, path: Path) -> None:
@@ -184,27 +195,78 @@ def _check_manifest(manifest: dict, config: CaptureConfig, dataset_hash: str, pa
             " delete that folder to recapture")
 
 
-def run_capture(config: CaptureConfig, model=None, tokenizer=None, progress: bool = True,
-                device: str = "cpu") -> "CaptureStore":
-    """Capture (or resume capturing) a split; returns the finished store.
+def repair_hint(manifest: dict, path: Path) -> str:
+    """The call that repairs a store: run_capture re-verifies it and recaptures bad shards."""
+    config = (repr(CaptureConfig(**manifest["config"])) if "config" in manifest
+              else f"<the CaptureConfig that made {path}>")
+    return (f"actwave.store.run_capture({config}) re-verifies the store and recaptures only "
+            "the bad shards (notebook 01: ./reproduce.sh --only 01)")
 
-    Pass a loaded ``model``/``tokenizer`` to reuse them, else ``config.model`` is loaded
-    on ``device`` in ``config.dtype``.
-    """
-    out = store_dir(config)
-    if (out / "manifest.json").exists() and CaptureStore(out, require_complete=False).complete:
-        return CaptureStore(out)
-    if model is None:
-        model, tokenizer = load(config.model, dtype=DTYPES[config.dtype], device=device)
-    sequences, dataset_hash = tokenize_split(config, tokenizer, model)
-    if not sequences:
-        raise ValueError(f"split {config.split!r} gave no sequences of >= 2 tokens")
-    manifest_path = out / "manifest.json"
-    manifest = (json.loads(manifest_path.read_text()) if manifest_path.exists()
-                else _new_manifest(config, model, dataset_hash, len(sequences), tokenizer))
-    _check_manifest(manifest, config, dataset_hash, out)
-    done = {s["file"] for s in manifest["shards"] if (out / s["file"]).exists()}
-    manifest["shards"] = [s for s in manifest["shards"] if s["file"] in done]
+
+def _same_model(name: str, other: str) -> bool:
+    return name == other or (Path(name).is_dir() and Path(other).is_dir()
+                             and Path(name).resolve() == Path(other).resolve())
+
+
+def check_model(config: CaptureConfig, model, manifest: dict | None, path: Path) -> dict:
+    """Refuse a model that is not ``config.model`` (by its name, when it has one), not in
+    ``config.dtype``, or not the model an existing store was made with; -> its fingerprint."""
+    name = str(getattr(model, "name_or_path", "") or "")
+    if name and not _same_model(name, config.model):
+        raise ValueError(f"model {name!r} was passed with a capture config for "
+                         f"{config.model!r}: pass {config.model!r} or use "
+                         f"CaptureConfig(model={name!r})")
+    if model_dtype(model) != DTYPES[config.dtype]:
+        raise ValueError(f"model is in {model_dtype(model)} but config.dtype={config.dtype!r}: "
+                         f"load it with dtype=DTYPES[{config.dtype!r}] or set the config's dtype")
+    found = model_fingerprint(model)
+    if manifest is None:
+        return found
+    recorded = manifest.get("model") or {  # stores from before fingerprints: the shapes only
+        key: manifest[key] for key in ("num_layers", "hidden_size", "vocab_size") if key in manifest}
+    shapes = {"num_layers": num_layers(model),
+              "hidden_size": int(model.config.get_text_config().hidden_size),
+              "vocab_size": int(model.get_output_embeddings().weight.shape[0])}
+    problems = fingerprint_mismatch(recorded, {**found, **shapes})
+    if problems:
+        raise ValueError(f"capture store {path} was made with another model ("
+                         + "; ".join(problems) + f"): pass the model it was made with, or "
+                         f"delete {path} to recapture with this one")
+    return found
+
+
+def _read_manifest(path: Path) -> dict | None:
+    """The folder's manifest; None if there is none or it is unreadable (then every shard is
+    recaptured: without the manifest's checksums no shard can be trusted)."""
+    try:
+        return read_json(path / "manifest.json", "recapture")
+    except IntegrityError as err:
+        if (path / "manifest.json").exists():
+            log.warning("capture manifest unreadable, recapturing %s: %s", path, err)
+        return None
+
+
+def _drop_failed_shards(manifest: dict, path: Path) -> None:
+    """Verify every recorded shard (size + sha256); drop those that fail so they are
+    recaptured, and record checksums that a store from before checksums lacks."""
+    kept = []
+    for shard in manifest["shards"]:
+        try:
+            verify_file(path / shard["file"], shard, repair_hint(manifest, path))
+        except IntegrityError as err:
+            log.warning("recapturing %s", err)
+            manifest["complete"] = False
+            continue
+        if "sha256" not in shard:
+            shard.update(bytes_record((path / shard["file"]).read_bytes()))
+        kept.append(shard)
+    manifest["shards"] = kept
+
+
+def _capture_shards(config: CaptureConfig, model, tokenizer, sequences: list[dict],
+                    manifest: dict, out: Path, progress: bool) -> None:
+    """Capture every shard the manifest lacks, rewriting the manifest after each one."""
+    done = {s["file"] for s in manifest["shards"]}
     special_ids = set(tokenizer.all_special_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     starts = range(0, len(sequences), config.sequences_per_shard)
@@ -219,14 +281,47 @@ def run_capture(config: CaptureConfig, model=None, tokenizer=None, progress: boo
                                DTYPES[config.storage_dtype], pad_id)
                  for b in range(0, len(chunk), config.batch_size)]
         columns = _concat(parts)
-        _write_shard(out / name, columns)
+        record = _write_shard(out / name, columns)
         manifest["shards"].append({"file": name, "n_tokens": int(columns["input_ids"].numel()),
-                                   "first_sequence": start, "n_sequences": len(chunk)})
+                                   "first_sequence": start, "n_sequences": len(chunk), **record})
+        # Shard order is token order: a recaptured shard goes back to its place.
+        manifest["shards"].sort(key=lambda s: s["file"])
         manifest["n_tokens"] = sum(s["n_tokens"] for s in manifest["shards"])
         manifest["seconds"] += time.perf_counter() - tic
-        atomic_write_json(manifest_path, manifest)
-    manifest["complete"] = True
-    atomic_write_json(manifest_path, manifest)
+        atomic_write_json(out / "manifest.json", manifest)
+
+
+def run_capture(config: CaptureConfig, model=None, tokenizer=None, progress: bool = True,
+                device: str = "cpu") -> "CaptureStore":
+    """Capture (or resume, or repair) a split; returns the finished, verified store.
+
+    Pass a loaded ``model``/``tokenizer`` to reuse them, else ``config.model`` is loaded
+    on ``device`` in ``config.dtype``. One writer at a time per store (``WriterLock``);
+    a finished store is re-verified and only shards that fail are recaptured.
+    """
+    out = store_dir(config)
+    with WriterLock(out):
+        manifest = _read_manifest(out)
+        if manifest is not None:
+            _drop_failed_shards(manifest, out)
+            if model is not None:
+                check_model(config, model, manifest, out)
+            if manifest["complete"]:
+                atomic_write_json(out / "manifest.json", manifest)  # records legacy checksums
+                return CaptureStore(out)
+        if model is None:
+            model, tokenizer = load(config.model, dtype=DTYPES[config.dtype], device=device)
+        fingerprint = check_model(config, model, manifest, out)
+        sequences, dataset_hash = tokenize_split(config, tokenizer, model)
+        if not sequences:
+            raise ValueError(f"split {config.split!r} gave no sequences of >= 2 tokens")
+        if manifest is None:
+            manifest = _new_manifest(config, model, dataset_hash, len(sequences), tokenizer,
+                                     fingerprint)
+        _check_manifest(manifest, config, dataset_hash, out)
+        _capture_shards(config, model, tokenizer, sequences, manifest, out, progress)
+        manifest["complete"] = True
+        atomic_write_json(out / "manifest.json", manifest)
     return CaptureStore(out)
 
 
@@ -239,12 +334,13 @@ class CaptureStore:
         if not manifest_path.exists():
             raise FileNotFoundError(f"no capture at {self.path} (manifest.json missing); "
                                     "run notebook 01 / actwave.store.run_capture first")
-        try:
-            self.manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"corrupted capture manifest {manifest_path}: {err}") from err
+        self.manifest = read_json(manifest_path, "actwave.store.run_capture with the config "
+                                  f"that made {self.path} recaptures it (notebook 01)")
         if require_complete and not self.complete:
             raise ValueError(f"capture at {self.path} is incomplete; run run_capture again to resume")
+        self.repair = repair_hint(self.manifest, self.path)
+        for shard in self.manifest["shards"]:  # sizes now (a stat each), sha256 on first read
+            check_size(self.path / shard["file"], shard, self.repair)
 
     @property
     def complete(self) -> bool:
@@ -268,10 +364,11 @@ class CaptureStore:
 
     def _open(self, shard: dict):
         path = self.path / shard["file"]
+        verify_once(path, shard, self.repair)
         try:
             return safe_open(str(path), framework="pt")
         except Exception as err:  # safetensors raises its own error types on bad headers
-            raise ValueError(f"corrupted capture shard {path}: {err}; delete it to recapture") from err
+            raise IntegrityError(path, "safetensors shard", "readable", err, self.repair) from err
 
     def iter_shards(self, layers: Sequence[int] | None = None,
                     columns: Sequence[str] = ("entropy", "special", "loss_mask")) -> Iterator[dict]:
