@@ -38,7 +38,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +49,8 @@ from actwave.capture import validate_layers
 from actwave.config import atomic_write_bytes, save_config
 from actwave.eagle3.layers import Eagle3DecoderLayer, RMSNorm, RotaryEmbedding
 from actwave.eagle3.vocab import build_draft_vocab, draft_target_ids
+from actwave.integrity import (bytes_record, int_ids, read_json, require_finite_tensors,
+                               verify_file)
 
 CHECKPOINT_FORMAT = "actwave-eagle3-v1"
 WEIGHTS_NAME = "model.safetensors"
@@ -77,7 +78,7 @@ class Eagle3Config:
     target_num_layers: int = 0        # N of the target (0 = unknown)
 
     def __post_init__(self):
-        self.layer_ids = tuple(int(i) for i in self.layer_ids)
+        self.layer_ids = int_ids("layer_ids", self.layer_ids)
         if not self.layer_ids:
             raise ValueError("layer_ids must name at least one target layer, got ()")
         if self.hidden_size != self.target_hidden_size:
@@ -256,21 +257,30 @@ class Eagle3Draft(nn.Module):
         return digest.hexdigest()[:16]
 
     def save_pretrained(self, directory) -> Path:
-        """``config.json`` (Eagle3Config + provenance) and ``model.safetensors``."""
+        """``config.json`` (Eagle3Config + provenance + the weights' size and sha256) and
+        ``model.safetensors``; non-finite weights are refused (FloatingPointError)."""
         directory = Path(directory)
-        save_tensors(directory / WEIGHTS_NAME, self.trainable_state_dict())
-        save_config(directory, self.config.to_dict(), format=CHECKPOINT_FORMAT)
+        tensors = self.trainable_state_dict()
+        require_finite_tensors(f"draft for {directory}", tensors)
+        weights = save_tensors(directory / WEIGHTS_NAME, tensors)
+        save_config(directory, self.config.to_dict(), format=CHECKPOINT_FORMAT, weights=weights)
         return directory
 
     @classmethod
     def load(cls, directory, target: nn.Module) -> "Eagle3Draft":
-        """Load a ``save_pretrained`` draft, re-attaching (a copy of) the target embedding."""
+        """Load a ``save_pretrained`` draft, re-attaching (a copy of) the target embedding.
+
+        Refuses (IntegrityError) weights that fail the recorded size or sha256.
+        """
         directory = Path(directory)
-        record = json.loads((directory / "config.json").read_text())
+        repair = (f"call actwave.eagle3.train.train_draft with the arguments that made "
+                  f"{directory}: it rebuilds the draft from its last checkpoint (notebook 06)")
+        record = read_json(directory / "config.json", repair)
         if record.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{directory} is not an actwave EAGLE-3 draft "
                              f"(format {record.get('format')!r}, expected {CHECKPOINT_FORMAT!r})")
         config = Eagle3Config.from_dict(record["config"])
+        verify_file(directory / WEIGHTS_NAME, record.get("weights", {}), repair)
         return cls.from_state(config, load_file(directory / WEIGHTS_NAME), target)
 
     @classmethod
@@ -349,10 +359,13 @@ def flat_rope_parameters(params: dict | None, default_theta: float = 10000.0) ->
     return params
 
 
-def save_tensors(path, tensors: dict[str, torch.Tensor]) -> None:
-    """Atomically write tensors (moved to CPU, made contiguous) as one safetensors file."""
+def save_tensors(path, tensors: dict[str, torch.Tensor]) -> dict:
+    """Atomically write tensors (moved to CPU, made contiguous) as one safetensors file;
+    -> its integrity record {"bytes", "sha256"}."""
     payload = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
-    atomic_write_bytes(Path(path), save(payload))
+    data = save(payload)
+    atomic_write_bytes(Path(path), data)
+    return bytes_record(data)
 
 
 def validate_layer_ids(layer_ids, num_layers: int) -> tuple[int, ...]:

@@ -23,12 +23,14 @@ masks and the agreement metric is the one the capture pass stored.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import logging
 import math
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +45,8 @@ from actwave.config import atomic_write_bytes, atomic_write_json, config_hash, s
 from actwave.eagle3.model import Eagle3Draft
 from actwave.eagle3.ttt import TTTLoss, TTTOutput
 from actwave.eagle3.vocab import draft_target_ids, token_frequencies
+from actwave.integrity import (IntegrityError, WriterLock, bytes_record, int_ids, read_json,
+                               require_finite_tensors, require_int, require_real, verify_file)
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -74,19 +78,25 @@ class TrainConfig:
     eval_sequences: int = 16             # held-out sequences scored at each checkpoint
 
     def __post_init__(self):
-        self.layer_ids = tuple(int(i) for i in self.layer_ids)
-        self.betas = tuple(float(b) for b in self.betas)
+        self.layer_ids = int_ids("layer_ids", self.layer_ids)
+        if len(self.betas) != 2:
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        self.betas = tuple(require_real("betas element", b, 0.0, 1.0, high_open=True)
+                           for b in self.betas)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: {sorted(DTYPES)}")
         for name in ("ttt_steps", "total_steps", "batch_size", "max_seq_len",
                      "draft_vocab_size", "checkpoint_every", "eval_sequences"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            require_int(name, getattr(self, name), minimum=1)
+        require_int("warmup_steps", self.warmup_steps)
+        require_int("seed", self.seed)
+        require_real("gamma", self.gamma, 0.0, 1.0, low_open=True)
+        require_real("weight_decay", self.weight_decay, 0.0)
         if not 0 <= self.warmup_steps < self.total_steps:
             raise ValueError(f"warmup_steps must lie in 0..total_steps-1 ({self.total_steps - 1}),"
                              f" got {self.warmup_steps}")
-        if self.lr <= 0 or self.grad_clip <= 0:
-            raise ValueError(f"lr and grad_clip must be > 0, got {self.lr}, {self.grad_clip}")
+        require_real("lr", self.lr, 0.0, low_open=True)
+        require_real("grad_clip", self.grad_clip, 0.0, low_open=True)
 
 
 @dataclass
@@ -249,25 +259,29 @@ def _optimizer_from_tensors(tensors: dict[str, torch.Tensor], param_groups: list
 
 
 def save_checkpoint(out_dir: Path, step: int, draft: Eagle3Draft, optimizer, scheduler,
-                    config: TrainConfig, history: list[dict], eval_history: list[dict]) -> Path:
+                    config: TrainConfig, history: list[dict], eval_history: list[dict],
+                    store_hash: str | None = None) -> Path:
     """``out_dir/checkpoints/step-XXXXXXX/``: weights, optimizer, RNG (safetensors) + meta.json.
 
-    Written into a temp folder and renamed, then older checkpoints are removed.
+    Written into a uniquely named temp folder and renamed, then older checkpoints are
+    removed. meta.json records the state file's size and sha256 and the store's hash.
     """
     root = out_dir / "checkpoints"
-    final, tmp = root / f"step-{step:07d}", root / f".tmp-step-{step:07d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    final = root / f"step-{step:07d}"
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step-{step:07d}-"))
     optimizer_tensors, param_groups = _optimizer_to_tensors(optimizer.state_dict())
-    tensors = {**{f"draft.{k}": v for k, v in draft.trainable_state_dict().items()},
-               **optimizer_tensors, "rng.torch": torch.get_rng_state()}
+    weights = {f"draft.{k}": v for k, v in draft.trainable_state_dict().items()}
+    require_finite_tensors(f"checkpoint at step {step}", weights)
+    tensors = {**weights, **optimizer_tensors, "rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    (tmp / "state.safetensors").write_bytes(save_tensors(
-        {k: v.detach().contiguous().cpu() for k, v in tensors.items()}))
+    state = save_tensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    (tmp / "state.safetensors").write_bytes(state)
     atomic_write_json(tmp / "meta.json", {
         "step": step, "config_hash": config_hash(config), "param_groups": param_groups,
-        "scheduler": scheduler.state_dict(), "history": history, "eval_history": eval_history})
+        "scheduler": scheduler.state_dict(), "history": history, "eval_history": eval_history,
+        "state": bytes_record(state), "store_config_hash": store_hash})
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     for older in root.glob("step-*"):
@@ -276,24 +290,44 @@ def save_checkpoint(out_dir: Path, step: int, draft: Eagle3Draft, optimizer, sch
     return final
 
 
-def latest_checkpoint(out_dir: Path, config: TrainConfig) -> Path | None:
-    """The newest finished checkpoint of this config in out_dir, else None."""
+def _checkpoint_repair(path: Path) -> str:
+    return (f"delete {path}; the next train_draft call with the same arguments trains "
+            "again from the start (bit-identical to an uninterrupted run)")
+
+
+def latest_checkpoint(out_dir: Path, config: TrainConfig,
+                      store_hash: str | None = None) -> Path | None:
+    """The newest finished checkpoint of this config (and store) in out_dir, else None."""
     found = sorted((out_dir / "checkpoints").glob("step-*"))
     if not found:
         return None
-    meta = json.loads((found[-1] / "meta.json").read_text())
+    meta = read_json(found[-1] / "meta.json", _checkpoint_repair(found[-1]))
     if meta["config_hash"] != config_hash(config):
         raise ValueError(f"checkpoint {found[-1]} belongs to config {meta['config_hash']}, not "
                          f"{config_hash(config)}; use another out_dir or delete it")
+    if store_hash and meta.get("store_config_hash") not in (None, store_hash):
+        raise ValueError(f"checkpoint {found[-1]} was trained on capture store "
+                         f"{meta['store_config_hash']}, not {store_hash}; use another out_dir "
+                         "or delete it")
     return found[-1]
 
 
 def load_checkpoint(path: Path, draft: Eagle3Draft, optimizer, scheduler) -> dict:
-    """Restore weights, optimizer, scheduler and RNG in place; -> the checkpoint's meta.json."""
-    meta = json.loads((path / "meta.json").read_text())
+    """Restore weights, optimizer, scheduler and RNG in place; -> the checkpoint's meta.json.
+
+    Refuses (IntegrityError) a state file that fails its recorded checksum or lacks any of
+    the draft's tensors: nothing is silently left at its initial value.
+    """
+    repair = _checkpoint_repair(path)
+    meta = read_json(path / "meta.json", repair)
+    verify_file(path / "state.safetensors", meta.get("state", {}), repair)
     tensors = load_tensors((path / "state.safetensors").read_bytes())
     weights = {k.removeprefix("draft."): v for k, v in tensors.items() if k.startswith("draft.")}
-    draft.load_state_dict(weights, strict=False)
+    missing = sorted(set(draft.trainable_state_dict()) - set(weights))
+    if missing:
+        raise IntegrityError(path / "state.safetensors", "draft tensors", "all present",
+                             f"missing {missing}", repair)
+    draft.load_state_dict(weights, strict=False)  # strict would demand the frozen embedding
     optimizer.load_state_dict(_optimizer_from_tensors(tensors, meta["param_groups"]))
     scheduler.load_state_dict(meta["scheduler"])
     torch.set_rng_state(tensors["rng.torch"])
@@ -318,24 +352,70 @@ def new_draft(target, data: TrainData, config: TrainConfig) -> Eagle3Draft:
 
 def train_step(module, optimizer, scheduler, accelerator, batch: dict,
                 config: TrainConfig) -> TTTOutput:
-    """Forward (optionally bf16 autocast), backward, clip, AdamW step, LR step."""
+    """Forward (optionally bf16 autocast), backward, clip, AdamW step, LR step.
+
+    A non-finite loss or gradient norm raises FloatingPointError before the optimizer
+    step, so the weights (and the last checkpoint) stay as they were.
+    """
     with torch.autocast(accelerator.device.type, dtype=torch.bfloat16,
                         enabled=config.dtype == "bfloat16"):
         output = module(**batch)
     accelerator.backward(output.loss)
-    accelerator.clip_grad_norm_(module.parameters(), config.grad_clip)
+    norm = accelerator.clip_grad_norm_(module.parameters(), config.grad_clip)
+    if not (torch.isfinite(output.loss.detach()) and torch.isfinite(torch.as_tensor(norm))):
+        raise FloatingPointError(f"non-finite loss {float(output.loss)} or gradient norm "
+                                 f"{float(norm)}; no optimizer step was taken")
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return output
 
 
-def _finished(out_dir: Path, config: TrainConfig) -> bool:
+def _finished(out_dir: Path, config: TrainConfig, store) -> bool:
+    """Whether out_dir holds this config's finished draft; refuses one from another store.
+    An unreadable record counts as unfinished: the run is rebuilt from its last checkpoint."""
     record_path = out_dir / "config.json"
     if not record_path.exists():
         return False
-    record = json.loads(record_path.read_text())
-    return bool(record.get("complete")) and record.get("config_hash") == config_hash(config)
+    try:
+        record = read_json(record_path, "rebuilt from the last checkpoint by train_draft")
+    except IntegrityError as err:
+        log.warning("%s", err)
+        return False
+    if not (record.get("complete") and record.get("config_hash") == config_hash(config)):
+        return False
+    if record.get("store_config_hash") != store.config_hash:
+        raise ValueError(f"{out_dir} holds a draft trained on capture store "
+                         f"{record.get('store_config_hash')} ({record.get('store')}), not "
+                         f"{store.config_hash} ({store.path}); use another out_dir, or delete "
+                         f"{out_dir} to retrain")
+    return True
+
+
+def _one_writer(train):
+    """Run ``train`` holding out_dir's WriterLock on the main process (other DDP ranks
+    never write to out_dir)."""
+    @functools.wraps(train)
+    def locked(store, target, config, out_dir, *args, **kwargs):
+        from accelerate import PartialState
+
+        if not PartialState().is_main_process:
+            return train(store, target, config, out_dir, *args, **kwargs)
+        with WriterLock(Path(out_dir)):
+            return train(store, target, config, out_dir, *args, **kwargs)
+    return locked
+
+
+def _checked_step(step: int, out_dir: Path, *args) -> TTTOutput:
+    """``train_step``, its non-finite error extended with the step and what was kept."""
+    try:
+        return train_step(*args)
+    except FloatingPointError as err:
+        kept = sorted((out_dir / "checkpoints").glob("step-*"))
+        raise FloatingPointError(
+            f"training stopped at step {step + 1}: {err}; the last good checkpoint "
+            f"({kept[-1] if kept else 'none yet'}) is kept and nothing is marked complete; "
+            "lower lr or check the capture store for NaN/inf") from err
 
 
 def _read_csv(path: Path) -> list[dict]:
@@ -362,6 +442,7 @@ def _load_finished(out_dir: Path, target) -> TrainResult:
                        record["seconds"], record.get("metrics", {}))
 
 
+@_one_writer
 def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = True,
                 eval_store=None) -> TrainResult:
     """Train (or resume, or just load) one draft for ``target`` from a capture ``store``.
@@ -370,13 +451,19 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
     ``history.csv`` (step, loss, lr, per-TTT-step loss_i / acc_i; process 0's batches),
     ``eval.csv`` (held-out loss_i / acc_i per checkpoint when ``eval_store`` is given),
     ``draft/`` (the final ``save_pretrained``) and ``config.json`` (this config, store
-    hash, seconds, final held-out metrics).
+    hash, seconds, final held-out metrics). One writer per out_dir (``WriterLock``); a
+    finished out_dir trained on another store is refused; a finished draft that fails its
+    checksum is rebuilt from the last checkpoint; a non-finite loss or gradient stops the
+    run (FloatingPointError) with the last good checkpoint kept.
     """
     from accelerate import Accelerator
 
     out_dir = Path(out_dir)
-    if _finished(out_dir, config):
-        return _load_finished(out_dir, target)
+    if _finished(out_dir, config, store):
+        try:
+            return _load_finished(out_dir, target)
+        except IntegrityError as err:
+            log.warning("rebuilding the draft from its last checkpoint: %s", err)
     accelerator = Accelerator()
     data = load_sequences(store, config.layer_ids, config.max_seq_len)
     eval_data = (load_sequences(eval_store, config.layer_ids, config.max_seq_len,
@@ -384,7 +471,7 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
     draft = new_draft(target, data, config).to(accelerator.device)
     optimizer, scheduler = _optimizer(draft, config)
     start, history, eval_history = 0, [], []
-    checkpoint = latest_checkpoint(out_dir, config)
+    checkpoint = latest_checkpoint(out_dir, config, store.config_hash)
     if checkpoint is not None:
         meta = load_checkpoint(checkpoint, draft, optimizer, scheduler)
         start, history, eval_history = meta["step"], meta["history"], meta["eval_history"]
@@ -398,7 +485,8 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
                                 accelerator.process_index, accelerator.num_processes)
         batch = make_batch(data, indices, target, draft, accelerator.device)
         lr = optimizer.param_groups[0]["lr"]
-        output = train_step(module, optimizer, scheduler, accelerator, batch, config)
+        output = _checked_step(step, out_dir, module, optimizer, scheduler, accelerator, batch,
+                               config)
         tokens = sum(data.input_ids[i].numel() for i in indices)
         history.append(history_row(step + 1, output, lr, tokens, time.perf_counter() - tic))
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.total_steps:
@@ -407,7 +495,7 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
                     draft, eval_data, target, config.ttt_steps, config.batch_size, config.dtype)})
             if accelerator.is_main_process:
                 save_checkpoint(out_dir, step + 1, draft, optimizer, scheduler, config, history,
-                                eval_history)
+                                eval_history, store.config_hash)
                 write_history(out_dir / "history.csv", history)
             accelerator.wait_for_everyone()
     seconds = time.perf_counter() - tic
