@@ -10,7 +10,6 @@ last, so its presence marks a complete artifact).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
@@ -22,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from actwave.config import artifact_dir, atomic_write_json, save_config, to_jsonable
+from actwave.integrity import IntegrityError, WriterLock, file_record, read_json, verify_once
 from actwave.metrics import LayerStats, StreamingLayerStats, token_filter
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,8 @@ def _cache_key(store, config: AnalysisConfig) -> dict:
 
 
 def save_layer_stats(directory: Path, stats: LayerStats, key: dict, **extra) -> None:
-    """Tensors to ``stats.safetensors``, the rest to ``stats.json``, then ``config.json``."""
+    """Tensors to ``stats.safetensors``, the rest to ``stats.json``, then ``config.json``
+    (with both files' size and sha256 under ``files``)."""
     record = stats.to_dict()
     tensors = {k: v.detach().cpu().contiguous() for k, v in record.items()
                if isinstance(v, torch.Tensor)}
@@ -178,16 +179,25 @@ def save_layer_stats(directory: Path, stats: LayerStats, key: dict, **extra) -> 
         raise
     atomic_write_json(directory / "stats.json",
                       {k: v for k, v in record.items() if not isinstance(v, torch.Tensor)})
-    save_config(directory, key, **extra)
+    files = {name: file_record(directory / name) for name in STATS_FILES}
+    save_config(directory, key, files=files, **extra)
+
+
+STATS_FILES = ("stats.safetensors", "stats.json")
+STATS_REPAIR = ("actwave.analysis.compute_layer_stats(store, config) with the same arguments "
+                "recomputes it (notebooks 02-05: ./reproduce.sh --only 02)")
 
 
 def load_layer_stats(directory: Path, key: dict | None = None) -> LayerStats:
-    """Load a saved ``LayerStats``; refuse it if ``key`` differs from the recorded config."""
-    recorded = json.loads((directory / "config.json").read_text())
+    """Load a saved ``LayerStats``; refuse it if ``key`` differs from the recorded config or a
+    file fails its recorded size/sha256 (IntegrityError; checked once per process)."""
+    recorded = read_json(directory / "config.json", STATS_REPAIR)
     if key is not None and recorded["config"] != to_jsonable(key):
         raise ValueError(f"cached layer stats at {directory} were made for {recorded['config']},"
                          f" not {to_jsonable(key)}; delete that folder to recompute")
-    meta = json.loads((directory / "stats.json").read_text())
+    for name, file in recorded.get("files", {}).items():
+        verify_once(directory / name, file, STATS_REPAIR)
+    meta = read_json(directory / "stats.json", STATS_REPAIR)
     return LayerStats.from_dict({**meta, **load_file(directory / "stats.safetensors")})
 
 
@@ -196,13 +206,25 @@ def compute_layer_stats(store, config: AnalysisConfig, device: str | torch.devic
     """``LayerStats`` over the store's tokens kept by ``config`` (all N+1 layers), cached.
 
     The artifact is keyed by the capture's config hash and ``config``; a second call loads
-    it. ``name`` (default: the store folder's name) prefixes the artifact folder.
+    it, and recomputes it if it fails verification (the repair). ``name`` (default: the
+    store folder's name) prefixes the artifact folder. One writer per folder (WriterLock).
     """
     key = _cache_key(store, config)
     directory = artifact_dir("layer_stats", key, name or Path(store.path).name)
-    if (directory / "config.json").exists():
-        log.info("layer stats: loading cache %s", directory)
-        return load_layer_stats(directory, key)
+    with WriterLock(directory):
+        if (directory / "config.json").exists():
+            log.info("layer stats: loading cache %s", directory)
+            try:
+                return load_layer_stats(directory, key)
+            except IntegrityError as err:
+                log.warning("recomputing layer stats: %s", err)
+                (directory / "config.json").unlink()
+        return _compute_and_save(store, config, directory, key, device, progress)
+
+
+def _compute_and_save(store, config: AnalysisConfig, directory: Path, key: dict,
+                      device: str | torch.device, progress: bool) -> LayerStats:
+    """One streaming pass over the kept tokens, saved into ``directory`` and read back."""
     check_memory(store.num_layers + 1, store.hidden_size, device)
     keep, counts = token_keep_mask(store, config)
     log.info("layer stats: %d of %d tokens kept (%s)", counts["n_used"],
