@@ -126,7 +126,8 @@ class Engine:
 
     ``offset``: the engine captures ℓ = id + offset; ``lowest``/``highest``: the ℓ range
     it can capture for an N-layer target (``highest`` counts back from N: 0 means ℓ = N,
-    1 means ℓ = N − 1); ``fmt``: the checkpoint format that carries the ids.
+    1 means ℓ = N − 1); ``fmt``: the checkpoint format that carries the ids; ``where``:
+    the config entry the ids go to.
     """
 
     name: str
@@ -137,17 +138,19 @@ class Engine:
     lowest: int
     highest: int
     max_k: int | None = None
+    where: str = "eagle_config.eagle_aux_hidden_state_layer_ids (draft config.json)"
 
 
+VLLM_WHERE = "eagle_aux_hidden_state_layer_ids (speculators config.json)"
 SGLANG_RULE_SOURCE = "sgl-project/sglang PR #25454 (merged 2026-05-16)"
 ENGINES: dict[str, Engine] = {engine.name: engine for engine in (
     Engine("vllm>=pr36063", "speculators",
            "ids as given; 0 = embeddings, id = output of block id-1 (EagleModelMixin)",
-           "vllm-project/vllm PR #36063", offset=0, lowest=0, highest=0),
+           "vllm-project/vllm PR #36063", offset=0, lowest=0, highest=0, where=VLLM_WHERE),
     Engine("vllm<pr36063", "speculators",
            "ids as given; captures the input of block id (blocks 0..N-1; the residual "
            "is added, so id 0 fails)", "vllm-project/vllm PR #36063", offset=0, lowest=1,
-           highest=1),
+           highest=1, where=VLLM_WHERE),
     Engine("sglang>=pr25454", "sglang",
            "+1 to every id when the first id is 1, else ids as given; captures the input "
            "of block id (blocks 0..N-1)", SGLANG_RULE_SOURCE, offset=0, lowest=0, highest=1),
@@ -157,7 +160,8 @@ ENGINES: dict[str, Engine] = {engine.name: engine for engine in (
     Engine("specforge-hf", "sglang",
            "SpecForge HF target backend: hooks the output of 0-based block id, exactly 3 ids",
            "sgl-project/SpecForge specforge/modeling/target/eagle3_target_model.py",
-           offset=1, lowest=1, highest=0, max_k=3),
+           offset=1, lowest=1, highest=0, max_k=3,
+           where="Eagle3TargetModel.set_aux_hidden_states_layers([...]) (training)"),
 )}
 
 

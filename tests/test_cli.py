@@ -1,0 +1,110 @@
+"""``python -m actwave select`` on a tiny random Llama saved to a folder with its own tiny
+byte-level BPE tokenizer (no real model needed)."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from actwave import cli, data
+from actwave.eagle3.export import ENGINES, engine_reads
+
+SPECIAL = ["<|bos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+CHAT_TEMPLATE = ("{{ '<|bos|>' }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content']"
+                 " + '<|end|>' }}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|assistant|>' }}{% endif %}")
+NUM_LAYERS = 8  # EAGLE-3 default (2, 4, 5)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (any text tokenizes) with 100 merges learnt from ShareGPT replies."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=256 + len(SPECIAL) + 100, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = [m["content"] for row in data.sharegpt_split("eval", n=20) for m in row["messages"]]
+    tokenizer.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|bos|>",
+                                   eos_token="<|end|>", pad_token="<|end|>",
+                                   additional_special_tokens=SPECIAL[2:],
+                                   chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models") / "tiny-select-llama"
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+        num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run(folder, tmp_path, *extra):
+    out = tmp_path / "select.json"
+    argv = ["select", "--model", str(folder), "--sequences", "6", "--max-seq-len", "48",
+            "--json", str(out), *extra]
+    assert cli.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_select_prints_sets_percentiles_and_engine_ids(model_folder, tmp_path, capsys):
+    result = run(model_folder, tmp_path)
+    printed = capsys.readouterr().out
+    assert result["num_layers"] == NUM_LAYERS and result["n_subsets"] == 56  # C(8, 3)
+    assert list(result["token_sets"]) == ["all tokens", "top 50% entropy"]
+    filtered = result["token_sets"]["top 50% entropy"]
+    assert 0 < filtered["n_tokens"] < result["token_sets"]["all tokens"]["n_tokens"]
+    labels = {row["label"] for row in filtered["methods"]}
+    assert {"renyi2_exhaustive", "eagle3_default", "mrmr", "cka_farthest"} <= labels
+    recommended, default = result["picks"]["recommended"], result["picks"]["eagle3_default"]
+    assert recommended["renyi2_pct"] == 100.0  # the exhaustive argmax of that very score
+    assert default["layers"] == [2, 4, 5] and 0 < default["renyi2_pct"] <= 100
+    for name, row in result["picks"].items():
+        for engine, entry in result["engine_ids"][name].items():
+            if "ids" in entry:  # each engine's own rule reads the ids as the chosen layers
+                assert list(engine_reads(engine, entry["ids"], NUM_LAYERS)) == row["layers"]
+    assert result["engine_ids"]["eagle3_default"]["sglang>=pr25454"] == {"ids": [1, 3, 4]}
+    assert set(result["engine_ids"]["recommended"]) == set(ENGINES)
+    assert f"EAGLE-3 default                    {tuple(default['layers'])}" in printed
+    assert "[1, 3, 4]" in printed and "sglang>=pr25454" in printed
+    assert f"renyi2_exhaustive         {tuple(recommended['layers'])}" in printed
+
+
+def test_select_rerun_reads_the_cache_and_other_k(model_folder, tmp_path, monkeypatch, capsys):
+    run(model_folder, tmp_path)  # makes the cache if the test above did not run
+    capsys.readouterr()
+    monkeypatch.setattr("actwave.store.load", lambda *a, **k: pytest.fail("model reloaded"))
+    result = run(model_folder, tmp_path, "--k", "2", "--engine", "vllm>=pr36063")
+    assert "eagle3_default" not in result["picks"]  # EAGLE-3's default exists for k = 3 only
+    assert len(result["picks"]["recommended"]["layers"]) == 2 and result["n_subsets"] == 28
+    assert list(result["engine_ids"]["recommended"]) == ["vllm>=pr36063"]
+    assert "D eagle3_default" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--k", "0"], "--k must be ≥ 1, got 0"),
+    (["--filter-quantile", "1.5"], r"--filter-quantile must be in \[0, 1\), got 1.5"),
+    (["--max-tokens", "2"], "--max-tokens must be 0"),
+    (["--engine", "sglang"], "invalid choice: 'sglang'"),
+])
+def test_bad_arguments_are_refused_before_any_work(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["select", "--model", "no-such-model", *flags])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_module_entry_point_runs():
+    done = subprocess.run([sys.executable, "-m", "actwave", "select", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--filter-quantile" in done.stdout
