@@ -70,7 +70,7 @@ def token_settings(filter_quantile: float, max_tokens: int | None = None, seed: 
     "all tokens": every non-special token; "top X% entropy" (X = 1 − ``filter_quantile``):
     predictive entropy ≥ that quantile, the hard tokens that decide acceptance;
     ``with_special`` adds "all + special" (special tokens kept) to show the effect of
-    massive activations once (``DESIGN.md``).
+    massive activations once (docs/METHODS.md §6).
     """
     common = {"max_tokens": max_tokens, "seed": seed, "matmul_dtype": matmul_dtype}
     settings = {

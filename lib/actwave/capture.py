@@ -1,4 +1,4 @@
-"""Hidden-state capture, in the layer convention of DESIGN.md.
+"""Hidden-state capture, in the layer convention of docs/METHODS.md §2.
 
 Layer index ℓ ∈ {0..N} is the number of decoder blocks applied: ℓ=0 is the embedding
 output, ℓ=N the last block's output *before* the final norm. HF's ``hidden_states[ℓ]``

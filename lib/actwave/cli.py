@@ -7,7 +7,7 @@ are cached under the same keys the notebooks use, so a rerun, or a run after the
 with the same sizes, reads the cache. It prints each method's set with its scores and
 percentiles next to the EAGLE-3 default's, and the ``eagle_aux_hidden_state_layer_ids``
 each serving engine needs (``actwave.eagle3.export.ENGINES``). Methods and percentiles:
-docs/METHODS.md §8–9; engine rules: §12.
+docs/METHODS.md §10; engine rules: §15.
 """
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def _method_table(label: str, token_set: dict, result: dict) -> list[str]:
 
 
 def _engine_table(result: dict) -> list[str]:
-    lines = ["eagle_aux_hidden_state_layer_ids to configure (docs/METHODS.md §12):"]
+    lines = ["eagle_aux_hidden_state_layer_ids to configure (docs/METHODS.md §15):"]
     for engine in next(iter(result["engine_ids"].values())):
         lines.append(f"  {engine}  ->  {ENGINES[engine].where}")
         for name, per_engine in result["engine_ids"].items():

@@ -1,6 +1,6 @@
 """Matrix entropy, linear CKA and token-entropy filtering of hidden states (pure math).
 
-Conventions (the project's DESIGN.md): Z is ``(n_tokens, d)``; rows are centred by the
+Conventions (docs/METHODS.md §4, §7): Z is ``(n_tokens, d)``; rows are centred by the
 token mean; all spectra and sums are float64. Matrix entropy uses the d×d covariance
 ZᶜᵀZᶜ, which has the same non-zero spectrum as the n×n Gram ZᶜZᶜᵀ (Skean et al. 2025,
 "Layer by Layer"). Linear CKA is Kornblith et al. 2019 in feature space; the debiased

@@ -1,6 +1,6 @@
 """Choosing k hidden-state layers to feed an EAGLE-3 draft (pure functions).
 
-Layer ids are indices ℓ ∈ {0..N} = number of decoder blocks applied (``DESIGN.md``).
+Layer ids are indices ℓ ∈ {0..N} = number of decoder blocks applied (docs/METHODS.md §2).
 Every method works on the statistics of ``actwave.metrics.LayerStats`` (per-layer matrix
 entropy, the L×L linear-CKA matrix, the covariance blocks) and returns a sorted tuple of
 layer ids.

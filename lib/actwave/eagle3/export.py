@@ -11,7 +11,7 @@ Two formats, both ``config.json`` + ``model.safetensors`` (no pickles):
 
 Which physical layers an engine feeds the draft depends on how *that engine version*
 reads ``eagle_aux_hidden_state_layer_ids`` (``ENGINES``; each rule, its source and the
-sets it cannot express: docs/METHODS.md §12). Every export names its engine, writes the
+sets it cannot express: docs/METHODS.md §15). Every export names its engine, writes the
 ids that engine reads as the trained ℓ, refuses a set the engine cannot express (saying
 why), and records the rule in the config's ``actwave`` block.
 

@@ -30,7 +30,7 @@ follow the target's (full-attention) ``rope_parameters``.
 The layer's building blocks (RMSNorm, RoPE, attention, MLP, decoder layer) live in
 ``actwave.eagle3.layers``; this module holds the config, the draft and its I/O.
 
-Layer ids follow DESIGN.md: ℓ = number of target blocks applied (HF
+Layer ids follow docs/METHODS.md §2: ℓ = number of target blocks applied (HF
 ``hidden_states[ℓ]``; ℓ = N is the last block's output before the final norm).
 """
 from __future__ import annotations

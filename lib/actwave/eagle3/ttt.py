@@ -2,7 +2,7 @@
 
 EAGLE-3 (Li et al. 2025, arXiv 2503.01840, §3.2 "training-time test") trains the draft
 on its own multi-step rollouts. Written from the public descriptions (SafeAILab/EAGLE
-``traineagle3``, SpecForge ``core/eagle3.py``; see ``notes/eagle3-reference.md``):
+``traineagle3``, SpecForge ``core/eagle3.py``; see docs/METHODS.md §12):
 
 - Index t of a sequence x_0..x_{L-1}. Step 0 feeds the fused target state g_t and the
   token x_{t+1}; step i ≥ 1 feeds the draft's own output hidden of step i-1 at the same
