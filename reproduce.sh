@@ -1,30 +1,37 @@
 #!/usr/bin/env bash
-# actwave: the two commands.
+# actwave: the commands.
 #   ./reproduce.sh [--profile smoke|cpu|gpu] [--only NN[,NN...]] [--model ID]
-#       set up .venv, then run the numbered notebooks in order with papermill
+#       set up .venv, then run the profile's numbered notebooks in order with papermill
+#   ./reproduce.sh --compare [--profile NAME]
+#       compare the tables in results/<profile>/ with the committed ones (README: tolerances)
+#   ./reproduce.sh lab [jupyter lab options...]
+#       set up .venv, then open notebooks/ in JupyterLab (README: "Open and tweak")
 #   ./reproduce.sh test [pytest args...]
 #       set up .venv, then run the test suite
 set -euo pipefail
 cd "$(dirname "$0")"
 
+refuse() { echo "reproduce.sh: $*" >&2; exit 2; }
 PROFILE=cpu
 ONLY=""
 MODEL=""
 MODE=run
-if [[ "${1:-}" == "test" ]]; then MODE=test; shift; fi
+case "${1:-}" in test|lab) MODE=$1; shift ;; esac
 if [[ $MODE == run ]]; then
   while [[ $# -gt 0 ]]; do
     case "$1" in
-      --profile) PROFILE="$2"; shift 2 ;;
-      --only) ONLY="$2"; shift 2 ;;
-      --model) MODEL="$2"; shift 2 ;;
-      -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
-      *) echo "unknown argument: $1 (see ./reproduce.sh --help)" >&2; exit 2 ;;
+      --profile|--only|--model)
+        # An option's value is required; a following option is not a value.
+        [[ $# -ge 2 && -n $2 && $2 != -* ]] || refuse "$1 needs a value (see ./reproduce.sh --help)"
+        case "$1" in --profile) PROFILE=$2 ;; --only) ONLY=$2 ;; --model) MODEL=$2 ;; esac
+        shift 2 ;;
+      --compare) MODE=compare; shift ;;
+      -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+      *) refuse "unknown argument: $1 (see ./reproduce.sh --help)" ;;
     esac
   done
-  if [[ ! -f "profiles/$PROFILE.yaml" ]]; then
-    echo "unknown profile '$PROFILE'; known: $(ls profiles | sed 's/\.yaml//' | tr '\n' ' ')" >&2
-    exit 2
+  if [[ $MODE == compare && -n $ONLY$MODEL ]]; then
+    refuse "--compare takes only --profile"
   fi
 fi
 
@@ -47,28 +54,30 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false MPLBACKEND=Agg PYTHONHASHSEED=0
 export TQDM_MININTERVAL=${TQDM_MININTERVAL:-30} SOURCE_DATE_EPOCH=0
 
-if [[ $MODE == test ]]; then
-  exec $PY -m pytest -q "$@"
-fi
+case $MODE in
+  test) exec $PY -m pytest -q "$@" ;;
+  # Figures inline in JupyterLab: no MPLBACKEND. .py notebooks open as notebooks by default
+  # (jupyter/lab-settings/overrides.json5); jupytext.toml says how they are saved back.
+  lab) exec env -u MPLBACKEND -u TQDM_MININTERVAL $PY -m jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks \
+         --LabApp.app_settings_dir=jupyter/lab-settings \
+         --KernelManager.transport_encryption=required "$@" ;;
+  compare) exec $PY -m actwave.compare --profile "$PROFILE" ;;
+esac
 
-# --- notebooks -----------------------------------------------------------------------------
+# --- notebooks: refuse a bad profile, --only or --model before anything runs --------------
+plan=$($PY -m actwave.runplan notebooks --profile "$PROFILE" --only "$ONLY" --model "$MODEL") \
+  || exit 2
 OUT="results/$PROFILE"
-mkdir -p "$OUT" .cache/notebooks
+mkdir -p "$OUT"
 # Only the cpu profile regenerates the committed figures/; others keep theirs beside results.
 if [[ $PROFILE != cpu ]]; then export ACTWAVE_FIGURES="$OUT/figures"; fi
-extra=()
-[[ -n $MODEL ]] && extra+=(-p models "$MODEL" -p train_models "$MODEL")
-for src in notebooks/[0-9][0-9]_*.py; do
+for src in $plan; do
   name=$(basename "$src" .py)
-  if [[ -n $ONLY && ",$ONLY," != *",${name:0:2},"* ]]; then continue; fi
-  echo "[$(date +%H:%M:%S)] $name ($PROFILE)"
-  $PY -m jupytext --quiet --to ipynb --output ".cache/notebooks/$name.ipynb" "$src"
+  echo "[$(date +%H:%M:%S)] $name ($PROFILE): $(sed -n 's/^# # //p' "$src" | head -1)"
   start=$(date +%s)
   # steplog appends wall time, peak memory of the process tree and cache size to steps.tsv
   $PY -m actwave.steplog "$OUT/steps.tsv" "$name" -- \
-    $PY -m papermill ".cache/notebooks/$name.ipynb" "$OUT/$name.ipynb" -k python3 \
-      --cwd notebooks -f "profiles/$PROFILE.yaml" -p profile "$PROFILE" "${extra[@]}" \
-      --log-output --no-progress-bar
+    $PY -m actwave.runplan run "$src" --profile "$PROFILE" --model "$MODEL"
   echo "[$(date +%H:%M:%S)] $name done in $(( $(date +%s) - start )) s"
 done
 echo "done: executed notebooks in $OUT/, figures in ${ACTWAVE_FIGURES:-figures}/," \
