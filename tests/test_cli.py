@@ -4,9 +4,11 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -102,6 +104,14 @@ def test_bad_arguments_are_refused_before_any_work(flags, message, capsys):
         cli.main(["select", "--model", "no-such-model", *flags])
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_defaults_are_the_cpu_profile():
+    """So the command reads the caches ./reproduce.sh left (same capture and stats keys)."""
+    profile = yaml.safe_load((Path(__file__).parents[1] / "profiles" / "cpu.yaml").read_text())
+    args = cli.build_parser().parse_args(["select", "--model", "smollm2-135m"])
+    for option, key in cli.CPU_PROFILE_KEYS.items():
+        assert getattr(args, option) == profile[key], f"--{option} default != cpu.yaml {key}"
 
 
 def test_module_entry_point_runs():

@@ -3,8 +3,9 @@
 ``select`` runs the pipeline of notebooks 01–05 for one model: the analysis capture
 (``actwave.store``), the layer statistics for all tokens and for the top-entropy tokens
 (``actwave.analysis``) and every selection method (``actwave.selection_report``); all three
-are cached under the same keys the notebooks use, so a rerun, or a run after the notebooks
-with the same sizes, reads the cache. It prints each method's set with its scores and
+are cached under the same keys the notebooks use. The defaults are the ``cpu`` profile's
+values (``CPU_PROFILE_KEYS``), so after ``./reproduce.sh`` the command on a bundled model
+reads notebooks 01–05's caches, and a rerun reads its own. It prints each method's set with its scores and
 percentiles next to the EAGLE-3 default's, and the ``eagle_aux_hidden_state_layer_ids``
 each serving engine needs (``actwave.eagle3.export.ENGINES``). Methods and percentiles:
 docs/METHODS.md §10; engine rules: §15.
@@ -27,6 +28,11 @@ COLUMNS = (("renyi2", "H2 nats", "{:.4f}"), ("renyi2_pct", "H2 pct", "{:.1f}"),
            ("logdet_pct", "logdet pct", "{:.1f}"), ("entropy_sum_pct", "sum H1 pct", "{:.1f}"),
            ("dispersion_pct", "dispersion pct", "{:.1f}"))
 
+# command-line option -> the profiles/cpu.yaml key its default equals (tests/test_cli.py)
+CPU_PROFILE_KEYS = {"sequences": "analysis_sequences", "max_seq_len": "max_seq_len",
+                    "filter_quantile": "filter_quantile", "dtype": "capture_dtype",
+                    "batch_size": "capture_batch_size", "matmul_dtype": "stats_matmul_dtype",
+                    "seed": "seed"}
 PICK_NAMES = {"recommended": "recommended (renyi2_exhaustive)", "eagle3_default": "EAGLE-3 default"}
 
 
@@ -50,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     select.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     select.add_argument("--dtype", default="float32", help="target compute dtype for capture")
     select.add_argument("--batch-size", type=int, default=4, help="capture batch size")
-    select.add_argument("--matmul-dtype", default="float64", choices=analysis.MATMUL_DTYPES,
-                        help="precision of the per-chunk cross products (float32 ≈2× faster)")
+    select.add_argument("--matmul-dtype", default="float32", choices=analysis.MATMUL_DTYPES,
+                        help="precision of the per-chunk cross products (sums stay float64)")
     select.add_argument("--seed", type=int, default=0)
     select.add_argument("--json", type=Path, help="also write the full result to this file")
     return parser
