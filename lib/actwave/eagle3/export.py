@@ -126,8 +126,9 @@ class Engine:
 
     ``offset``: the engine captures ℓ = id + offset; ``lowest``/``highest``: the ℓ range
     it can capture for an N-layer target (``highest`` counts back from N: 0 means ℓ = N,
-    1 means ℓ = N − 1); ``fmt``: the checkpoint format that carries the ids; ``where``:
-    the config entry the ids go to.
+    1 means ℓ = N − 1); ``shift_if_first_is_one``: the offset becomes +1 when the first id
+    is 1 (SGLang's rule since PR #25454); ``fmt``: the checkpoint format that carries the
+    ids; ``where``: the config entry the ids go to.
     """
 
     name: str
@@ -138,6 +139,7 @@ class Engine:
     lowest: int
     highest: int
     max_k: int | None = None
+    shift_if_first_is_one: bool = False
     where: str = "eagle_config.eagle_aux_hidden_state_layer_ids (draft config.json)"
 
 
@@ -153,7 +155,8 @@ ENGINES: dict[str, Engine] = {engine.name: engine for engine in (
            highest=1, where=VLLM_WHERE),
     Engine("sglang>=pr25454", "sglang",
            "+1 to every id when the first id is 1, else ids as given; captures the input "
-           "of block id (blocks 0..N-1)", SGLANG_RULE_SOURCE, offset=0, lowest=0, highest=1),
+           "of block id (blocks 0..N-1)", SGLANG_RULE_SOURCE, offset=0, lowest=0, highest=1,
+           shift_if_first_is_one=True),
     Engine("sglang<pr25454", "sglang",
            "+1 to every id; captures the input of block id+1 (blocks 0..N-1; ids ≥ 0)",
            SGLANG_RULE_SOURCE, offset=1, lowest=1, highest=1),
@@ -172,7 +175,7 @@ def engine_reads(engine: str, ids, num_layers: int) -> tuple[int, ...]:
     """
     rule = _engine(engine)
     ids = [int(i) for i in ids]
-    shift = 1 if rule.name == "sglang>=pr25454" and ids[:1] == [1] else rule.offset
+    shift = 1 if rule.shift_if_first_is_one and ids[:1] == [1] else rule.offset
     layers = tuple(sorted(i + shift for i in ids))
     _check_reach(rule, layers, num_layers)
     return layers
@@ -187,8 +190,8 @@ def engine_layer_ids(layer_ids, num_layers: int, engine: str) -> list[int]:
     rule = _engine(engine)
     ids = _increasing(layer_ids)
     _check_reach(rule, ids, num_layers)
-    if rule.name == "sglang>=pr25454":
-        return _sglang_current_ids(ids)
+    if rule.shift_if_first_is_one:
+        return _first_one_shift_ids(ids, rule.name)
     return [v - rule.offset for v in ids]
 
 
@@ -205,7 +208,7 @@ def _check_reach(rule: Engine, layers: tuple[int, ...], num_layers: int) -> None
         raise ValueError(f"{rule.name} takes exactly {rule.max_k} layer ids, got {len(layers)}")
 
 
-def _sglang_current_ids(ids: tuple[int, ...]) -> list[int]:
+def _first_one_shift_ids(ids: tuple[int, ...], engine: str) -> list[int]:
     """Current SGLang: ℓ as given unless the first is 1; smallest ℓ = 2 is written ℓ − 1.
 
     ℓ − 1 with first id 1 is read +1 by every SGLang version, so such exports also serve
@@ -213,7 +216,7 @@ def _sglang_current_ids(ids: tuple[int, ...]) -> list[int]:
     triggers the +1; written as ℓ − 1, its first id 0 is taken as is.
     """
     if ids[0] == 1:
-        raise ValueError(f"sglang>=pr25454 cannot express {list(ids)}: a first id of 1 makes it "
+        raise ValueError(f"{engine} cannot express {list(ids)}: a first id of 1 makes it "
                          "add +1 to every id, and the shifted form starts at 0, which it takes "
                          "as is; drop layer 1 or serve with vllm>=pr36063 or sglang<pr25454")
     return [v - 1 for v in ids] if ids[0] == 2 else list(ids)
