@@ -436,3 +436,13 @@ def test_accumulator_bytes_matches_the_allocated_tensors():
                      *stream._cross.values()])
     chunk = 3 * 5 * 7 * 8  # one float64 working chunk of chunk_tokens tokens
     assert M.StreamingLayerStats.accumulator_bytes(5, 7, chunk_tokens=3) == allocated + chunk
+
+
+@pytest.mark.parametrize("debiased", [False, True])
+def test_cka_of_constant_features_is_an_error_not_nan(debiased):
+    varying = torch.randn(16, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    constant = torch.ones(16, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="Y is constant over the tokens"):
+        M.linear_cka(varying, constant, debiased=debiased)
+    with pytest.raises(ValueError, match="X is constant over the tokens"):
+        M.minibatch_cka([(constant[:8], varying[:8]), (constant[8:], varying[8:])])

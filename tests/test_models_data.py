@@ -126,3 +126,9 @@ def test_artifact_dir_refuses_a_path_as_name(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="plain folder name"):
         artifact_dir("drafts", {"a": 1}, name="/tmp/model-L1-2")
     assert artifact_dir("drafts", {"a": 1}, name="model-L1-2").parent == tmp_path / "drafts"
+
+
+@pytest.mark.parametrize("path", ["./no-such-model", "/no/such/model/folder", "~/no-such-model"])
+def test_missing_model_folder_says_no_such_folder(path):
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        models.load(path)

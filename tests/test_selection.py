@@ -349,3 +349,23 @@ def test_selection_config_lists_every_method_with_options():
         selection_report.SelectionConfig(combined_method="best")
     with pytest.raises(ValueError, match="k must be"):
         selection_report.SelectionConfig(k=0)
+
+
+def test_size_guards_name_the_cost_and_the_faster_method():
+    # 30 choose 6 used to build a 30^6 grid (5.8 GB); now C(30, 6) rows only
+    assert selection.all_subsets(30, 6).shape == (math.comb(30, 6), 6)
+    assert selection.all_subsets(30, 30).tolist() == [list(range(1, 31))]
+    with pytest.raises(ValueError, match=r"C\(30, 12\) = 86,493,225 subsets .*greedy methods"):
+        selection.all_subsets(30, 12)
+    cost = selection.greedy_entropy_cost(30, 30, 576)
+    assert cost["eigendecompositions"] == 465 and cost["largest_matrix"] == 30 * 576
+    stats = random_stats(30, seed=2)
+    stats.dim = 576  # the guard reads d only: refused before any eigendecomposition
+    with pytest.raises(ValueError, match=r"465 eigendecompositions .*use renyi2_exhaustive"):
+        selection.select("greedy_aggregate_entropy", stats, k=30)
+
+
+@pytest.mark.parametrize("bad", [[2.7, 3], [True, 3], ["2", 3], [2, None], 3])
+def test_layer_ids_must_be_real_ints(bad):
+    with pytest.raises(ValueError, match="int"):
+        selection.select("renyi2_exhaustive", random_stats(9, seed=1), k=2, candidates=bad)

@@ -111,6 +111,14 @@ def _unbiased_hsic(xty: Tensor, rx_dot_ry: Tensor, sum_rx: Tensor, sum_ry: Tenso
             + sum_rx * sum_ry / ((n - 1.0) * (n - 2.0)))
 
 
+def _check_varying(self_x: Tensor, self_y: Tensor) -> None:
+    """CKA divides by ‖XᵀX‖·‖YᵀY‖: zero when a side is constant over the tokens (0/0 = NaN)."""
+    for name, value in (("X", self_x), ("Y", self_y)):
+        if not float(value) > 0:
+            raise ValueError(f"{name} is constant over the tokens (no variance in any feature): "
+                             "CKA is undefined for it")
+
+
 def _cka_ratio(cross: Tensor, self_x: Tensor, self_y: Tensor) -> Tensor:
     return cross / torch.sqrt(self_x * self_y)
 
@@ -148,6 +156,7 @@ def linear_cka(X: Tensor, Y: Tensor, debiased: bool = False) -> Tensor:
     """
     _check_pair(X, Y, MIN_TOKENS_DEBIASED if debiased else 2)
     moments = _feature_moments(_centre(X), _centre(Y))
+    _check_varying(moments["xx"], moments["yy"])
     if not debiased:
         return _cka_ratio(moments["xy"], moments["xx"], moments["yy"])
     return _cka_ratio(*_unbiased_hsic_triplet(moments, X.shape[0]))
@@ -169,6 +178,7 @@ def minibatch_cka(batches: Iterable[tuple[Tensor, Tensor]]) -> Tensor:
         totals = hsics if totals is None else totals + hsics
     if totals is None:
         raise ValueError("minibatch_cka got no batches")
+    _check_varying(totals[1], totals[2])
     return _cka_ratio(totals[0], totals[1], totals[2])
 
 

@@ -81,6 +81,13 @@ DEFAULT_MODEL = "smollm2-135m"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _is_local_path(name: str) -> bool:
+    """A file-system path rather than an HF id ``org/name``: absolute, ``.``/``~``-relative,
+    more than one '/', or existing on disk."""
+    return (name.startswith((".", "~", os.path.sep)) or name.count("/") > 1
+            or os.path.sep != "/" and os.path.sep in name or Path(name).exists())
+
+
 def _looks_like_path_or_id(name: str) -> bool:
     return os.path.sep in name or "/" in name or Path(name).exists()
 
@@ -89,6 +96,9 @@ def resolve(name_or_path: str) -> str:
     """Validate a model name: a registry name, a local folder, or an HF id (``org/name``)."""
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ValueError(f"model must be a non-empty string, got {name_or_path!r}")
+    if _is_local_path(name_or_path) and not Path(name_or_path).expanduser().is_dir():
+        raise FileNotFoundError(f"no such folder: {name_or_path!r} (a local model must be a "
+                                "folder holding config.json and weights)")
     if name_or_path in REGISTRY or _looks_like_path_or_id(name_or_path):
         return name_or_path
     raise ValueError(

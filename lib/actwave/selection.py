@@ -32,6 +32,7 @@ stage's config) live in ``actwave.selection_report``.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,8 +41,15 @@ import torch
 from torch import Tensor
 
 from actwave import metrics
+from actwave.integrity import int_ids
 
 ScoreFn = Callable[[Tensor], Tensor]
+# Size guards: exhaustive search holds all C(n, k) subsets as int64 ids (+ a score each);
+# greedy aggregate entropy does Σ_m (n−m+1) eigendecompositions of (m·d)² matrices,
+# ≈ 9·(m·d)³ flops each (LAPACK syevd). Above these limits a call is refused with its size.
+MAX_SUBSETS = 5_000_000
+MAX_EIGH_FLOPS = 2e13
+FAST_METHODS = "greedy methods (mrmr, cka_farthest, logdet_dpp with search='greedy')"
 
 
 # ----------------------------------------------------------------------------- checks
@@ -69,7 +77,7 @@ def resolve_candidates(stats: Any, candidates: Sequence[int] | None = None) -> t
     """Sorted candidate layer ids, checked against ``stats.layers``; default excludes ℓ = 0."""
     if candidates is None:
         return tuple(sorted(default_candidates(stats.layers)))
-    chosen = [int(layer) for layer in candidates]
+    chosen = list(int_ids("candidates", candidates))
     unknown = sorted(set(chosen) - set(stats.layers))
     if unknown or len(set(chosen)) != len(chosen) or not chosen:
         raise ValueError(f"candidates must be distinct layers of the stats "
@@ -127,9 +135,29 @@ def all_subsets(num_layers_or_candidates: int | Sequence[int], k: int) -> Tensor
     if isinstance(num_layers_or_candidates, int):
         pool = list(range(1, _check_num_layers(num_layers_or_candidates) + 1))
     else:
-        pool = sorted(int(c) for c in num_layers_or_candidates)
+        pool = sorted(int_ids("candidates", num_layers_or_candidates))
     check_k(k, len(pool))
-    return torch.combinations(torch.tensor(pool, dtype=torch.long), r=k)  # (S, k)
+    check_subset_count(len(pool), k)
+    # itertools, not torch.combinations: the latter builds an n^k grid first (5.8 GB for 30, 6).
+    return torch.tensor(list(itertools.combinations(pool, k)), dtype=torch.long)  # (S, k)
+
+
+def check_subset_count(n: int, k: int, limit: int = MAX_SUBSETS) -> int:
+    """C(n, k), refused (ValueError with the count and bytes) above ``limit``."""
+    count = math.comb(n, k)
+    if count > limit:
+        raise ValueError(f"exhaustive search over C({n}, {k}) = {count:,} subsets needs "
+                         f"{count * (k + 1) * 8 / 1e9:.1f} GB of ids and scores (limit {limit:,}"
+                         f" subsets); use one of the {FAST_METHODS} or fewer candidates")
+    return count
+
+
+def greedy_entropy_cost(n: int, k: int, dim: int) -> dict[str, float]:
+    """Cost of ``greedy_aggregate_entropy``: eigendecompositions, largest matrix side, flops."""
+    sizes = [(n - m + 1, m * dim) for m in range(1, k + 1)]
+    return {"eigendecompositions": sum(count for count, _ in sizes),
+            "largest_matrix": k * dim,
+            "flops": sum(9.0 * count * side ** 3 for count, side in sizes)}
 
 
 def exhaustive(score_fn: ScoreFn, candidates: Sequence[int], k: int,
@@ -276,8 +304,16 @@ def greedy_aggregate_entropy(stats: Any, k: int, candidates: Sequence[int],
     """Greedy max of the Rényi-α aggregate entropy H_α([h_a; …]) (α=1: Shannon).
 
     Starts from the highest-entropy single layer (the aggregate of one normalised layer is
-    its own entropy) and adds the layer that maximises the entropy of the set.
+    its own entropy) and adds the layer that maximises the entropy of the set. Refused
+    above ``MAX_EIGH_FLOPS`` (see ``greedy_entropy_cost``).
     """
+    cost = greedy_entropy_cost(len(candidates), k, int(stats.dim))
+    if cost["flops"] > MAX_EIGH_FLOPS:
+        raise ValueError(
+            f"greedy_aggregate_entropy with {len(candidates)} candidates, k={k}, d={stats.dim} "
+            f"needs {cost['eigendecompositions']} eigendecompositions up to "
+            f"{cost['largest_matrix']}² (~{cost['flops']:.1e} flops, limit {MAX_EIGH_FLOPS:.0e});"
+            " use renyi2_exhaustive (closed form, no eigendecompositions) or a smaller k")
     return greedy(aggregate_score(stats, alpha), candidates, k)
 
 
