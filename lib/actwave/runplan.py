@@ -166,6 +166,7 @@ def run_notebook(source: Path, profile_name: str, profile: dict, model: str = ""
 
     out_dir = repo_root() / "results" / profile_name
     executed, start = out_dir / f"{source.stem}.ipynb", time.time()
+    out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         notebook = Path(tmp) / f"{source.stem}.ipynb"
         jupytext.write(jupytext.read(source), notebook)
