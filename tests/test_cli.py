@@ -93,6 +93,14 @@ def test_select_rerun_reads_the_cache_and_other_k(model_folder, tmp_path, monkey
     assert "D eagle3_default" not in capsys.readouterr().out
 
 
+def test_k_beyond_the_models_layers_is_refused(model_folder, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["select", "--model", str(model_folder), "--sequences", "6",
+                  "--max-seq-len", "48", "--k", "9"])
+    assert exit_info.value.code == 2
+    assert "k must be an int in [1, 8]" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--k", "0"], "--k must be ≥ 1, got 0"),
     (["--filter-quantile", "1.5"], r"--filter-quantile must be in \[0, 1\), got 1.5"),

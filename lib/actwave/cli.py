@@ -33,7 +33,6 @@ CPU_PROFILE_KEYS = {"sequences": "analysis_sequences", "max_seq_len": "max_seq_l
                     "filter_quantile": "filter_quantile", "dtype": "capture_dtype",
                     "batch_size": "capture_batch_size", "matmul_dtype": "stats_matmul_dtype",
                     "seed": "seed"}
-PICK_NAMES = {"recommended": "recommended (renyi2_exhaustive)", "eagle3_default": "EAGLE-3 default"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,16 +72,18 @@ def run_select(args: argparse.Namespace) -> dict:
     num_layers = store.num_layers
     settings = analysis.token_settings(args.filter_quantile, max_tokens=args.max_tokens or None,
                                        seed=args.seed, matmul_dtype=args.matmul_dtype)
-    methods = _methods(selection_report.SelectionConfig(k=args.k, seed=args.seed), num_layers)
-    token_sets = {label: _token_set(store, config, methods, args) for label, config in
-                  settings.items()}
+    config = selection_report.SelectionConfig(k=args.k, seed=args.seed)
+    methods = _methods(config, num_layers)
+    token_sets = {label: _token_set(store, setting, methods, args)
+                  for label, setting in settings.items()}
     filtered = list(settings)[1]
-    picks = {"recommended": _row(token_sets[filtered], "renyi2_exhaustive")}
+    picks = {"recommended": _row(token_sets[filtered], config.combined_method)}
     if "eagle3_default" in methods:
         picks["eagle3_default"] = _row(token_sets[filtered], "eagle3_default")
     engines = args.engine or list(ENGINES)
     return {"model": args.model, "num_layers": num_layers, "hidden_size": store.hidden_size,
             "k": args.k, "store_tokens": store.n_tokens, "recommended_token_set": filtered,
+            "recommended_method": config.combined_method,
             "n_subsets": math.comb(num_layers, args.k), "token_sets": token_sets,
             "picks": picks, "engine_ids": {name: _engine_ids(row["layers"], num_layers, engines)
                                            for name, row in picks.items()},
@@ -129,14 +130,16 @@ def format_report(result: dict) -> str:
     lines += [f"Percentiles: share of all C({result['num_layers']}, {result['k']}) = "
               f"{result['n_subsets']:,} sets of layers 1..N scoring at most as well "
               "(100 = best).", ""]
+    names = {"recommended": f"recommended ({result['recommended_method']})",
+             "eagle3_default": "EAGLE-3 default"}
     for name, row in result["picks"].items():
-        lines.append(f"{PICK_NAMES[name]:<34} {str(tuple(row['layers'])):<14} H2 percentile "
+        lines.append(f"{names[name]:<34} {str(tuple(row['layers'])):<14} H2 percentile "
                      f"{row['renyi2_pct']:5.1f} on the {result['recommended_token_set']} tokens")
     return "\n".join(lines + [""] + _engine_table(result))
 
 
 def _method_table(label: str, token_set: dict, result: dict) -> list[str]:
-    marks = {"renyi2_exhaustive": "*", "eagle3_default": "D"}
+    marks = {result["recommended_method"]: "*", "eagle3_default": "D"}
     head = f"  {'method':<26}{'layers':<16}" + "".join(f"{t:>15}" for _, t, _ in COLUMNS)
     lines = [f"token set '{label}': {token_set['n_tokens']:,} of {token_set['n_seen']:,} "
              f"tokens{'  (* recommended, D EAGLE-3 default)' if label == result['recommended_token_set'] else ''}",
@@ -167,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         problem = _select_args_problem(args)
         if problem:
             parser.error(problem)  # exits with status 2 before any model is loaded
-        result = run_select(args)
+        try:
+            result = run_select(args)
+        except ValueError as err:  # a bad value found once the model is known (e.g. k > N)
+            parser.error(str(err))
         print(format_report(result))
         if args.json:
             atomic_write_json(args.json, result)
