@@ -1,6 +1,6 @@
 """Building blocks of the EAGLE-3 draft layer (see ``actwave.eagle3.model``).
 
-Llama-style pieces, written from the notes (not copied): RMSNorm, rotate-half RoPE whose
+Llama-style pieces, written from the public descriptions (docs/METHODS.md §11): RMSNorm, rotate-half RoPE whose
 frequencies follow the target's ``rope_parameters``, grouped-query self-attention whose
 q/k/v read the 2H-wide [embedding; hidden] input, a SwiGLU MLP, and the single decoder
 layer (``midlayer``) that ties them together.

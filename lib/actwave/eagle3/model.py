@@ -1,7 +1,7 @@
 """EAGLE-3 draft model (Li et al. 2025, arXiv 2503.01840), in plain torch.
 
 Architecture (as in SafeAILab/EAGLE ``traineagle3``, SpecForge ``llama3_eagle`` and
-vLLM ``speculators`` eagle3; written from the notes, not copied):
+vLLM ``speculators`` eagle3; written from their public descriptions, docs/METHODS.md §11):
 
 - ``fuse``: g = fc(concat of k target hidden states), fc: k·H_target → H, no bias. Only
   target features go through fc; the draft's own output hidden (width H) skips it.

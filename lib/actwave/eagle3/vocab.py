@@ -81,7 +81,7 @@ def draft_target_ids(d2t: torch.Tensor) -> torch.Tensor:
 def coverage(t2d: torch.Tensor, target_argmax_ids: torch.Tensor) -> float:
     """Fraction of the target's argmax tokens that the draft vocabulary contains.
 
-    A token outside the draft vocab can never be proposed (pitfall 7 of the notes), so
+    A token outside the draft vocab can never be proposed (docs/METHODS.md §11), so
     this bounds per-token acceptance. t2d: (V_target,) bool; target_argmax_ids: any shape.
     """
     flat_ids = target_argmax_ids.reshape(-1).long()
