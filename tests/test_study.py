@@ -1,0 +1,208 @@
+"""The layer-set study: the sets, the records (resume from the repo), the statistics."""
+import itertools
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from actwave import selection, study, study_report, study_stats
+from actwave.metrics import layer_stats
+from conftest import tiny_model
+from test_eagle3_train import _tiny_store
+
+N = 12
+
+
+def synthetic_stats(seed=0):
+    """LayerStats of N+1 random correlated 'layers' (a random walk over depth)."""
+    generator = torch.Generator().manual_seed(seed)
+    steps = torch.randn(N + 1, 300, 12, generator=generator, dtype=torch.float64)
+    return layer_stats(steps.cumsum(0))
+
+
+def config(**changes):
+    values = dict(model="tiny", seed=0, train_sequences=8, eval_sequences=4, max_seq_len=32,
+                  regen_new_tokens=8, eval_new_tokens=8, capture_batch_size=4,
+                  capture_dtype="float32", train_steps=3, warmup_steps=1, batch_size=2,
+                  ttt_steps=2, lr=1e-3, draft_vocab_size=64, train_dtype="float32",
+                  checkpoint_every=3, depth=2, tree_top_k=3, n_random=6, n_seeds=3,
+                  extra_k="2,4", curve_factor=2)
+    return study.StudyConfig(**{**values, **changes})
+
+
+@pytest.mark.parametrize("num_layers", range(7, 41))
+def test_eagle3_rule_extends_the_default(num_layers):
+    assert study.eagle3_rule(num_layers, 3) == selection.eagle3_default(num_layers)
+    assert study.eagle3_rule(num_layers, 2) == (2, num_layers - 3)
+    if num_layers >= 10:
+        assert len(study.eagle3_rule(num_layers, 4)) == 4
+    else:
+        with pytest.raises(ValueError, match="distinct layers"):
+            study.eagle3_rule(num_layers, 4)
+
+
+def test_study_sets_are_distinct_and_seeded_as_specified():
+    stats = {"all": synthetic_stats(0), "filtered": synthetic_stats(1)}
+    sets = study.study_sets(stats, N, config())
+    layer_sets = [s.layer_ids for s in sets]
+    assert len(layer_sets) == len(set(layer_sets))
+    default = [s for s in sets if s.kind == "default"]
+    assert default[0].layer_ids == selection.eagle3_default(N) and default[0].seeds == 3
+    assert sum(s.seeds == 3 for s in sets if s.kind == "selected") == 2
+    randoms = [s for s in sets if s.kind == "random"]
+    assert len(randoms) == 6 and {s.label.split("_")[1] for s in randoms} == {"low", "mid", "high"}
+    assert {len(s.layer_ids) for s in sets if s.kind == "extra_k"} == {2, 4}
+    assert (N,) in layer_sets  # the single top layer
+
+
+def test_stratified_random_draws_from_each_third():
+    stats = synthetic_stats(0)
+    score = selection.renyi2_score(stats)
+    candidates = range(1, N + 1)
+    subsets = selection.all_subsets(list(candidates), 3)
+    cuts = np.quantile(score(subsets).numpy(), [1 / 3, 2 / 3])
+    picks = study.stratified_random(score, candidates, 3, 9, exclude=[(1, 2, 3)], seed=0)
+    assert len({layers for _, layers in picks}) == 9 and (1, 2, 3) not in dict(picks).values()
+    for label, layers in picks:
+        value = float(score(torch.tensor([layers]))[0])
+        band = label.split("_")[1]
+        if band == "low":
+            assert value <= cuts[0] + 1e-12
+        if band == "high":
+            assert value >= cuts[1] - 1e-12
+
+
+def test_draft_order_puts_first_seeds_first():
+    sets = [study.StudySet("a", (1,), "default", 3), study.StudySet("b", (2,), "random", 1)]
+    assert [(s.label, i) for s, i in study.draft_order(sets)] == [
+        ("a", 0), ("b", 0), ("a", 1), ("a", 2)]
+
+
+# ----------------------------------------------------------------------------- records
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory):
+    target = tiny_model("llama")
+    root = tmp_path_factory.mktemp("study")
+    (root / "train").mkdir()
+    (root / "eval").mkdir()
+    stores = {"train": _tiny_store(root / "train", target, 8, seed=0),
+              "eval": _tiny_store(root / "eval", target, 4, seed=1)}
+    return target, stores, root
+
+
+def test_run_draft_writes_a_record_and_a_rerun_reads_it(tiny_study, monkeypatch):
+    target, stores, root = tiny_study
+    study_set = study.StudySet("eagle3_default", (1, 2, 3), "default", 1)
+    record = study.run_draft(study_set, 0, config(), target, stores, root / "results",
+                             root / "drafts")
+    assert record["offline"]["tau_hat"] >= 1.0
+    assert len(record["offline"]["per_sequence"]) == 4
+    assert all(r["roots"] > 0 for r in record["offline"]["per_sequence"])
+    assert study.record_path(root / "results", "eagle3_default", 0).exists()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished record must not be retrained")
+
+    monkeypatch.setattr(study, "train_draft", no_training)
+    again = study.run_draft(study_set, 0, config(), target, stores, root / "results",
+                            root / "drafts")
+    assert again == record
+    with pytest.raises(AssertionError, match="must not be retrained"):  # another budget
+        study.run_draft(study_set, 0, config(train_steps=4), target, stores,
+                        root / "results", root / "drafts")
+
+
+def test_curve_run_records_offline_tau_per_checkpoint(tiny_study):
+    target, stores, root = tiny_study
+    study_set = study.StudySet("eagle3_default", (1, 2, 3), "default", 1)
+    record = study.run_draft(study_set, 0, config(train_steps=4), target, stores,
+                             root / "curve", root / "drafts", steps_factor=2)
+    assert [p["step"] for p in record["curve"]] == [2, 4, 6, 8]
+    assert all(p["tau_hat"] >= 1.0 for p in record["curve"])
+    assert record["curve"][-1]["tokens"] > record["curve"][0]["tokens"]
+
+
+def test_corrupted_record_names_the_file(tmp_path):
+    path = tmp_path / "records" / "x__seed0.json"
+    path.parent.mkdir()
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="x__seed0.json"):
+        study.load_record(path)
+
+
+# ----------------------------------------------------------------------------- statistics
+def fake_records(label, accepted, roots=10, kind="selected", layers=(1, 2, 3)):
+    """Records of one set: accepted (n_seeds, n_sequences) per-sequence sums."""
+    out = []
+    for seed, row in enumerate(np.atleast_2d(accepted)):
+        per = [{"sequence": i, "roots": roots, "accepted": int(a), "reached": [int(a)],
+                "accepted_topk": int(a), "reached_topk": [int(a)], "walk_tau": math.nan,
+                "walk_rounds": 0} for i, a in enumerate(row)]
+        tau = 1 + row.sum() / (roots * len(row))
+        out.append({"label": label, "seed": seed, "kind": kind, "layer_ids": list(layers),
+                    "steps_factor": 1, "offline": {"per_sequence": per, "tau_hat": tau,
+                                                    "tau_hat_topk": tau,
+                                                    "step_acceptance": [0.5]}})
+    return out
+
+
+def test_paired_difference_sign_and_na_rule():
+    rng = np.random.default_rng(0)
+    base = rng.integers(2, 8, size=(3, 30))
+    reference = fake_records("eagle3_default", base, kind="default")
+    better = fake_records("b", base + 2)
+    result = study_stats.paired_difference(better, reference, n_bootstrap=500)
+    assert result["diff"] == pytest.approx(0.2)
+    assert 0 < result["ci_low"] <= result["diff"] <= result["ci_high"]
+    same = study_stats.paired_difference(fake_records("c", base), reference, n_bootstrap=200)
+    assert same["seq_ci_low"] == same["seq_ci_high"] == 0.0
+    one_seed = study_stats.paired_difference(fake_records("d", base[:1]), reference,
+                                             n_bootstrap=200)
+    assert math.isnan(one_seed["ci_low"]) and not math.isnan(one_seed["seq_ci_low"])
+
+
+def test_bootstrap_tau_equals_a_loop_over_cells():
+    rng = np.random.default_rng(1)
+    accepted, roots = rng.integers(0, 9, (3, 5)).astype(float), rng.integers(5, 9, (3, 5)).astype(float)
+    seed_rows, cols = rng.integers(0, 3, (4, 3)), rng.integers(0, 5, (4, 5))
+    fast = study_stats._boot_tau(accepted, roots, seed_rows, cols)
+    for b in range(4):
+        a = sum(accepted[s, c] for s in seed_rows[b] for c in cols[b])
+        r = sum(roots[s, c] for s in seed_rows[b] for c in cols[b])
+        assert fast[b] == pytest.approx(1 + a / r)
+
+
+def test_permutation_p_matches_exact_enumeration():
+    x = np.array([0.3, 1.2, 0.7, 2.0, 1.9, 0.1])
+    y = np.array([1.0, 1.5, 0.9, 2.2, 1.4, 0.2])
+    observed = scipy_stats.spearmanr(x, y)[0]
+    exact = np.mean([abs(scipy_stats.spearmanr(x, np.array(p))[0]) >= abs(observed) - 1e-12
+                     for p in itertools.permutations(y)])
+    result = study_stats.rank_correlation(x, y, n_permutations=4000, seed=0)
+    assert result["spearman"] == pytest.approx(observed)
+    assert result["spearman_p"] == pytest.approx(exact, abs=0.02)
+    assert math.isnan(study_stats.rank_correlation([1, 2], [2, 1])["spearman"])
+
+
+def test_summary_and_correlations_over_sets():
+    rng = np.random.default_rng(2)
+    records = fake_records("eagle3_default", rng.integers(2, 8, (3, 20)), kind="default")
+    sets_rows = [{"label": "eagle3_default", **{f"{p}_{s}": 0.0 for p in study.PROXIES
+                                                 for s in study.SETTINGS}}]
+    for i in range(6):
+        records += fake_records(f"r{i}", rng.integers(0, 3, (1, 20)) + i, kind="random")
+        sets_rows.append({"label": f"r{i}", **{f"{p}_{s}": float(i) for p in study.PROXIES
+                                               for s in study.SETTINGS}})
+    summary = study_report.summary_table(records, n_bootstrap=200)
+    assert summary["tau_hat"].is_monotonic_decreasing
+    assert summary.loc[summary["label"] == "r5", "vs_default_ci_low"].isna().all()
+    correlations = study_report.proxy_correlations(summary, pd.DataFrame(sets_rows),
+                                                   n_permutations=500)
+    proxy = [0.0 if label == "eagle3_default" else float(label[1]) for label in summary["label"]]
+    expected = scipy_stats.spearmanr(proxy, summary["tau_hat"])[0]
+    assert (correlations["n"] == 7).all()
+    assert correlations["spearman"].to_numpy() == pytest.approx(expected)
+    assert study_report.noise_floor(summary) > 0
