@@ -11,7 +11,9 @@ from actwave.eagle3 import Eagle3Draft
 from actwave.evaluate import (EvalConfig, acceptance_by_position, bootstrap_ci, build_methods,
                               evaluate, read_selection_scores, run_item, summarize,
                               tau_vs_scores)
-from actwave.speculative import (accept_greedy, generate, greedy_generate, keep_cache_rows)
+from actwave.costmodel import CostCurve
+from actwave.speculative import (accept_greedy, generate, greedy_generate, keep_cache_rows,
+                                 packed_gqa_attention)
 from actwave.tree import DraftTree, ancestor_mask, build_tree, target_tree_mask
 from conftest import tiny_model
 
@@ -93,6 +95,44 @@ def test_random_draft_matches_greedy(target, mode):
     assert result.tokens == expected
     assert sum(result.accept_counts) == result.target_forwards - 1
     assert result.tau == pytest.approx(23 / (result.target_forwards - 1))
+
+
+def flat_costs(n_max=16, width=4):
+    """A made-up cost curve on which bigger trees cost almost nothing more (auto goes wide)."""
+    return CostCurve(model="tiny", device="cpu", dtype="torch.float32", threads=1, context=16,
+                     greedy_seconds=1.0, catch_up_seconds=0.1,
+                     verify_seconds=[1.0 + 0.01 * n for n in range(1, n_max + 1)],
+                     level_seconds=[0.1 + 0.01 * w for w in range(1, width + 1)])
+
+
+@pytest.mark.parametrize("acceptance,mode", [([0.9, 0.8, 0.7], "chain"),
+                                             ({1: [0.6, 0.4, 0.3], 4: [0.95, 0.9, 0.85]}, "tree")])
+def test_auto_tree_matches_greedy_and_reports_its_shape(target, acceptance, mode):
+    ids = prompt(seed=4)
+    expected = greedy_generate(target, ids, 30).tokens
+    result = generate(target, oracle_draft(target, ids, swap_every=3), ids, 30, tree="auto",
+                      acceptance=acceptance, costs=flat_costs())
+    assert result.tokens == expected
+    assert result.shape["tree"] == "auto" and result.shape["mode"] == mode
+    assert result.shape["depth"] == 3 and result.shape["predicted_speedup"] > 1
+    if mode == "tree":
+        assert result.shape["top_k"] == 4 and result.shape["total_tokens"] > 4
+        assert sum(result.accept_counts[2:]) > 0
+
+
+def test_packed_gqa_attention_equals_repeated_heads():
+    """Packing the queries of a group against its one key/value head = HF's repeat_kv route."""
+    class Module:
+        num_key_value_groups = 3
+    query = torch.randn(1, 6, 5, 8)
+    key, value = torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    allowed = torch.rand(5, 9) > 0.3
+    allowed[:, 0] = True
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
+    out, _ = packed_gqa_attention(Module(), query, key, value, mask, scaling=0.3)
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(out, reference.transpose(1, 2))
 
 
 @pytest.mark.parametrize("mode,swap_every", [("chain", 0), ("tree", 0), ("tree", 3)])
@@ -262,6 +302,9 @@ def test_bad_inputs_are_refused(llama, ids, max_new, match):
     (dict(mode="beam"), "mode must be one of"), (dict(depth=0), "depth must be an int >= 1"),
     (dict(total_tokens=1), "total_tokens must be an int >= 2"),
     (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(tree="best"), "tree must be one of"),
+    (dict(tree="auto"), "tree='auto' needs acceptance="),
+    (dict(tree="auto", acceptance=[0.5, -0.1]), r"acceptance\[1\] must be"),
 ])
 def test_bad_settings_are_refused(llama, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -326,7 +369,7 @@ class StubTokenizer:
 
 
 def test_run_item_second_turn_sees_greedy_answer(llama):
-    config = EvalConfig(max_new_tokens=6, peers=False, mode="chain", depth=3)
+    config = EvalConfig(max_turns=2, max_new_tokens=6, peers=False, mode="chain", depth=3)
     methods = build_methods(llama, {"draft": random_draft(llama)}, config, eos=[])
     item = {"benchmark": "mtbench", "prompt_id": "1", "turns": ["hi", "more"]}
     records = run_item(item, StubTokenizer(), methods, config, torch.device("cpu"))

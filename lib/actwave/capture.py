@@ -102,17 +102,50 @@ def entropy_and_argmax(model, last_prenorm: torch.Tensor, chunk: int = 1024):
     return torch.cat(entropies), torch.cat(argmaxes)
 
 
-def forward_with_states(model, layer_ids: Sequence[int], input_ids: torch.Tensor, **kwargs):
+@contextmanager
+def _layer_inputs(model, layer_ids: tuple[int, ...]):
+    """Record states ℓ in ``layer_ids`` during a forward: ℓ < N is the input of block ℓ (a
+    pre-hook), ℓ = N the last block's output. -> dict ℓ -> (B, T, D), filled by the forward.
+
+    Hooks instead of ``output_hidden_states``: only the k states a draft reads are kept.
+    """
+    blocks = decoder_layers(model)
+    store: dict[int, torch.Tensor] = {}
+
+    def pre_hook(layer, args, kwargs):
+        store[layer] = args[0] if args else kwargs["hidden_states"]
+
+    handles = [blocks[layer].register_forward_pre_hook(
+        lambda _m, args, kwargs, layer=layer: pre_hook(layer, args, kwargs), with_kwargs=True)
+        for layer in set(layer_ids) if layer < len(blocks)]
+    if len(blocks) in layer_ids:
+        def post_hook(_module, _args, output):
+            store[len(blocks)] = output[0] if isinstance(output, tuple) else output
+        handles.append(blocks[-1].register_forward_hook(post_hook))
+    try:
+        yield store
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def forward_with_states(model, layer_ids: Sequence[int], input_ids: torch.Tensor,
+                        logits_to_keep: int = 0, **kwargs):
     """One target forward returning logits and the chosen layers' states.
 
-    For speculative decoding: accepts ``past_key_values``, ``position_ids`` and a 4D
-    ``attention_mask`` like the model itself. -> (logits (B, T, V), states (B, T, k·D),
-    past_key_values). States are concatenated in ``layer_ids`` order.
+    For speculative decoding: accepts ``cache`` (or ``past_key_values``), ``position_ids``
+    and a 4D ``attention_mask`` like the model itself. -> (logits (B, T', V), states
+    (B, T, k·D), cache), states concatenated in ``layer_ids`` order; T' = T, or the last
+    ``logits_to_keep`` positions when > 0 (a prefill needs one row of the LM head, not T).
     """
     ids = validate_layers(layer_ids, num_layers(model))
     if "past_key_values" in kwargs:  # transformers 5.2x renamed the argument to `cache`
         kwargs["cache"] = kwargs.pop("past_key_values")
-    outputs, last = _decoder_forward(model, input_ids, use_cache=True, **kwargs)
-    by_layer = list(outputs.hidden_states[:-1]) + [last]
+    n_blocks = num_layers(model)
+    with _layer_inputs(model, ids + (n_blocks,)) as by_layer:
+        outputs = model.get_decoder()(input_ids=input_ids, use_cache=True, return_dict=True,
+                                      **kwargs)
     states = torch.cat([by_layer[i] for i in ids], dim=-1)  # (B, T, k·D)
-    return target_logits(model, last), states, outputs.cache
+    last = by_layer[n_blocks]
+    kept = last[:, -logits_to_keep:] if logits_to_keep > 0 else last
+    return target_logits(model, kept), states, outputs.cache

@@ -9,7 +9,9 @@ One round (EAGLE, Li et al. 2024/2025; loop structure after gpt-fast's
 2. *draft*: ``tree.build_tree`` grows a chain (top-1, ``depth`` tokens) or an EAGLE-2
    tree; expansion rows are dropped from the draft cache afterwards.
 3. *verify*: one target forward over [root; tree nodes] with the tree attention mask
-   and per-node positions L + depth, returning logits and the draft's layer states.
+   and per-node positions L + depth, returning logits and the draft's k layer states
+   (hooks; not all N+1). Grouped-query attention runs on the key/value heads with the
+   queries packed per group (``packed_gqa_attention``), so the cache is never repeated.
 4. *accept*: greedy — the longest path whose every token equals the target argmax at its
    parent, then the bonus token = argmax after the last accepted node; sampling —
    recursive rejection sampling without replacement down the tree (exact in law).
@@ -17,27 +19,38 @@ One round (EAGLE, Li et al. 2024/2025; loop structure after gpt-fast's
 
 τ = tokens emitted by verification rounds / verification rounds (bonus included, the
 prefill token excluded), as in EAGLE's evaluation.
+
+``tree="auto"`` picks depth, top-k and tree size from the target's measured verification
+cost curve and the draft's per-depth acceptance (``actwave.costmodel``).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from actwave.capture import forward_with_states
 from actwave.tree import DraftTree, build_tree, target_tree_mask
 
 MODES = ("tree", "chain")
+TREES = ("fixed", "auto")
+SECTIONS = ("prefill", "catch_up", "tree", "verify", "accept")
+PACKED_ATTENTION = "actwave_packed_gqa"
 
 
 @dataclass
 class SpecResult:
     """tokens: new ids (stopping at and including EOS); accept_counts[a] = rounds that
-    accepted a draft tokens; timings in seconds: prefill, draft, verify, total."""
+    accepted a draft tokens; timings in seconds per section (``SECTIONS``: prefill, draft
+    catch-up, tree drafting, verification forward, acceptance + cache bookkeeping) and
+    total; shape: the tree settings used (with the cost model's prediction when auto)."""
 
     tokens: list[int]
     tau: float
@@ -45,6 +58,7 @@ class SpecResult:
     target_forwards: int
     draft_forwards: int
     timings: dict[str, float] = field(default_factory=dict)
+    shape: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -94,7 +108,10 @@ def _check_inputs(input_ids, max_new_tokens: int) -> None:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
 
 
-def _check_settings(mode: str, depth: int, top_k: int, total_tokens: int, temperature: float) -> None:
+def _check_settings(mode: str, depth: int, top_k: int, total_tokens: int, temperature: float,
+                    tree: str) -> None:
+    if tree not in TREES:
+        raise ValueError(f"tree must be one of {TREES}, got {tree!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     for name, value, low in (("depth", depth, 1), ("top_k", top_k, 1), ("total_tokens", total_tokens, 2)):
@@ -130,6 +147,78 @@ def keep_cache_rows(cache: DynamicCache, start: int, rows: torch.Tensor) -> None
             tensor = getattr(layer, name)  # (B, heads, L + n, head_dim)
             tensor[..., start:end, :] = tensor[..., start + rows.to(tensor.device), :]
             setattr(layer, name, tensor[..., :end, :])
+
+
+def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                         is_causal=None, **kwargs):
+    """SDPA for several queries under a mask without repeating the key/value cache.
+
+    HF's SDPA path repeats every cached key/value head for each query head it serves
+    (``repeat_kv``) when a mask is given and more than one query comes in — a copy of the
+    whole cache per layer per verification. Here the q queries of the r heads of a group
+    are packed into r·q rows that attend to the group's single key/value head.
+    query (B, H, q, d), key/value (B, H_kv, S, d), mask (1|B, 1, q, S) -> (B, q, H, d).
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups == 1 or query.shape[2] == 1 or attention_mask is None or dropout:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    batch, heads, q, dim = query.shape
+    packed = query.reshape(batch, heads // groups, groups * q, dim)  # head h = group h // r
+    mask = attention_mask[:, :, :, : key.shape[2]].repeat(1, 1, groups, 1)  # (1|B, 1, r·q, S)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask,
+                                                           scale=scaling)
+    return out.reshape(batch, heads, q, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_gqa_attention)
+
+
+@contextmanager
+def attention_implementation(target, implementation: str):
+    """Run the target's attention layers with a registered attention function."""
+    configs = {id(c): c for c in (target.config, target.config.get_text_config())}.values()
+    before = [c._attn_implementation for c in configs]
+    try:
+        for config in configs:
+            config._attn_implementation_internal = implementation
+        yield
+    finally:
+        for config, value in zip(configs, before):
+            config._attn_implementation_internal = value
+
+
+def verify_forward(target, layer_ids, tree: DraftTree, cache, committed: int):
+    """One target forward over ``tree`` on a cache of ``committed`` tokens.
+
+    -> (logits (n, V), states (1, n, k·D)); the cache grows by n rows (``keep_cache_rows``
+    keeps the accepted ones).
+    """
+    mask = target_tree_mask(tree, committed, target.config.get_text_config(),
+                            target.get_output_embeddings().weight.dtype)
+    positions = (committed + tree.depths)[None]
+    implementation = target.config._attn_implementation
+    packed = PACKED_ATTENTION if implementation == "sdpa" else implementation
+    with attention_implementation(target, packed):
+        logits, states, _ = forward_with_states(target, layer_ids, tree.tokens[None], cache=cache,
+                                                position_ids=positions, attention_mask=mask)
+    return logits[0], states
+
+
+def accept_round(tree: DraftTree, logits: torch.Tensor, states: torch.Tensor, cache, committed: int,
+                 temperature: float = 0.0, draft=None, generator=None):
+    """Acceptance and bookkeeping after ``verify_forward``.
+
+    -> (new tokens [accepted..., bonus], states of the accepted path (1, a+1, k·D)); the
+    cache keeps the accepted rows after its ``committed`` tokens.
+    """
+    if temperature == 0.0:
+        path, next_token = accept_greedy(tree, logits)
+    else:
+        path, next_token = accept_sampling(tree, logits, draft, temperature, generator)
+    path_rows = torch.tensor(path, device=tree.tokens.device)
+    keep_cache_rows(cache, committed, path_rows)
+    return tree.tokens[path_rows[1:]].tolist() + [next_token], states[:, path_rows]
 
 
 def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
@@ -188,25 +277,37 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *, mode: str = "tree",
              depth: int = 6, top_k: int = 8, total_tokens: int = 32, temperature: float = 0.0,
-             eos_token_ids: Sequence[int] = (), seed: int = 0) -> SpecResult:
+             eos_token_ids: Sequence[int] = (), seed: int = 0, tree: str = "fixed",
+             acceptance=None, costs=None) -> SpecResult:
     """Speculative decoding of ``input_ids`` (1, T) with an EAGLE-3 ``draft`` of ``target``.
 
     mode "chain": ``depth`` draft tokens per round (top-1 / one draw each); "tree": EAGLE-2
     dynamic tree, ``top_k`` children per expanded node, ``depth`` levels,
     ``total_tokens`` tree tokens including the root. temperature 0: output equals greedy
     decoding of the target; > 0: output is distributed as the target's sampling.
+    tree "auto": mode, depth, top_k and total_tokens are chosen by ``actwave.costmodel``
+    from ``acceptance`` (the draft's per-depth reach probabilities: a list, or {top_k:
+    list}) and ``costs`` (a ``CostCurve``; measured once and cached when None); the
+    choice is in ``result.shape``.
     """
     _check_inputs(input_ids, max_new_tokens)
-    _check_settings(mode, depth, top_k, total_tokens, temperature)
+    _check_settings(mode, depth, top_k, total_tokens, temperature, tree)
     draft.check_target(target)
+    shape = dict(mode=mode, depth=depth, top_k=top_k, total_tokens=total_tokens)
+    if tree == "auto":
+        from actwave.costmodel import auto_shape  # costmodel times this module's round steps
+        chosen = auto_shape(target, draft, acceptance, costs)
+        shape = {**dataclasses.asdict(chosen), "tree": "auto"}
+        mode, depth, top_k, total_tokens = (chosen.mode, chosen.depth, chosen.top_k,
+                                            chosen.total_tokens)
     if mode == "chain":
         top_k, total_tokens = 1, depth + 1
     device, eos = input_ids.device, set(int(t) for t in eos_token_ids)
     generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
-    clock = _Clock(device, ("prefill", "draft", "verify"))
+    clock = _Clock(device, SECTIONS)
     target_cache, draft_cache = DynamicCache(), DynamicCache()
     logits, states, _ = forward_with_states(target, draft.layer_ids, input_ids,
-                                            cache=target_cache)
+                                            logits_to_keep=1, cache=target_cache)
     tokens = [_pick(logits[0, -1], temperature, generator)]
     committed = input_ids.shape[1]  # tokens in the target cache; the root sits here
     pending_ids, pending_start = input_ids[0, 1:].tolist() + tokens, 0
@@ -218,35 +319,28 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *, mod
         hidden = draft.fuse(states.to(draft.fc.weight.dtype))  # (1, m, H)
         out = draft(torch.tensor([pending_ids], device=device), hidden, positions, None,
                     draft_cache, logits_to_keep=1)
-        tree, expansions = build_tree(draft, draft_cache, tokens[-1], out.logits[0, -1],
-                                      out.hidden[0, -1], depth=depth, top_k=top_k,
-                                      total_tokens=total_tokens, temperature=temperature,
-                                      generator=generator)
+        tick = clock.lap("catch_up", tick)
+        drafted, expansions = build_tree(draft, draft_cache, tokens[-1], out.logits[0, -1],
+                                         out.hidden[0, -1], depth=depth, top_k=top_k,
+                                         total_tokens=total_tokens, temperature=temperature,
+                                         generator=generator)
         draft_forwards += 1 + expansions
-        tick = clock.lap("draft", tick)
-        mask = target_tree_mask(tree, committed, target.config.get_text_config(), logits.dtype)
-        logits, states, _ = forward_with_states(
-            target, draft.layer_ids, tree.tokens[None], cache=target_cache,
-            position_ids=(committed + tree.depths)[None], attention_mask=mask)
-        if temperature == 0.0:
-            path, next_token = accept_greedy(tree, logits[0])
-        else:
-            path, next_token = accept_sampling(tree, logits[0], draft, temperature, generator)
-        path_rows = torch.tensor(path, device=device)
-        keep_cache_rows(target_cache, committed, path_rows)
-        states = states[:, path_rows]  # (1, a+1, k·D) target features of the accepted path
-        new_tokens = tree.tokens[path_rows[1:]].tolist() + [next_token]
-        accepted[len(path) - 1] += 1
-        pending_ids, pending_start = new_tokens, committed
-        committed += len(path)
-        tokens += new_tokens
+        tick = clock.lap("tree", tick)
+        logits, states = verify_forward(target, draft.layer_ids, drafted, target_cache, committed)
         tick = clock.lap("verify", tick)
+        new_tokens, states = accept_round(drafted, logits, states, target_cache, committed,
+                                          temperature, draft, generator)
+        accepted[len(new_tokens) - 1] += 1
+        pending_ids, pending_start = new_tokens, committed
+        committed += len(new_tokens)
+        tokens += new_tokens
+        tick = clock.lap("accept", tick)
     tokens = _finish_tokens(tokens, max_new_tokens, eos)
     rounds = sum(accepted.values())
     histogram = [accepted[a] for a in range(max(accepted, default=-1) + 1)]
     return SpecResult(tokens=tokens, tau=(len(tokens) - 1) / rounds if rounds else float("nan"),
                       accept_counts=histogram, target_forwards=1 + rounds,
-                      draft_forwards=draft_forwards, timings=clock.finish())
+                      draft_forwards=draft_forwards, timings=clock.finish(), shape=shape)
 
 
 @torch.no_grad()

@@ -20,6 +20,8 @@ input token is the node, its hidden is the draft output that proposed the node).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Mapping, Sequence
 
 import torch
 
@@ -45,6 +47,12 @@ class DraftTree:
 
 def ancestor_mask(parents: list[int], device=None) -> torch.Tensor:
     """(n, n) bool: [i, j] True iff node j is node i or one of its ancestors."""
+    return _ancestor_mask(tuple(parents), torch.device(device or "cpu"))
+
+
+@lru_cache(maxsize=256)
+def _ancestor_mask(parents: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Built once per tree shape (a chain's shape never changes): callers must not mutate it."""
     n = len(parents)
     allowed = torch.eye(n, dtype=torch.bool)
     for node in range(1, n):  # parents precede children: row of the parent is complete
@@ -82,22 +90,23 @@ def target_tree_mask(tree: DraftTree, cache_len: int, config, dtype: torch.dtype
 
 def choose_children(logits: torch.Tensor, top_k: int, temperature: float,
                     generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Children of one node from draft logits (V_draft,).
+    """Children of each of f nodes from draft logits (f, V_draft) (or one node: (V_draft,)).
 
-    -> (draft ids (k,), their log-probs (k,), log-probs of the whole row (V_draft,)).
+    -> (draft ids (f, k), their log-probs (f, k), log-probs of the whole rows (f, V_draft)).
     Greedy: the top-k of log_softmax(logits). Sampling: k draws without replacement from
-    softmax(logits / T) by Gumbel-top-k, in draw order; never a zero-probability token.
+    softmax(logits / T) by Gumbel-top-k, in draw order; a zero-probability token comes only
+    after every positive one and has log-prob −inf (callers drop it).
     """
+    scale = 1.0 if temperature == 0.0 else temperature
+    row_logq = torch.log_softmax(logits.float() / scale, dim=-1)
+    k = min(top_k, row_logq.shape[-1])
     if temperature == 0.0:
-        row_logq = torch.log_softmax(logits.float(), dim=-1)
-        logq, ids = row_logq.topk(min(top_k, row_logq.numel()))
+        logq, ids = row_logq.topk(k)
         return ids, logq, row_logq
-    row_logq = torch.log_softmax(logits.float() / temperature, dim=-1)
     uniform = torch.rand(row_logq.shape, generator=generator, device=row_logq.device)
     gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)))
-    k = min(top_k, int(torch.isfinite(row_logq).sum()))
     ids = (row_logq + gumbel).topk(k).indices
-    return ids, row_logq[ids], row_logq
+    return ids, row_logq.gather(-1, ids), row_logq
 
 
 class _Candidates:
@@ -154,12 +163,20 @@ def _draft_rows_mask(candidates: _Candidates, frontier: list[int], row_of: dict[
     return additive_mask(allowed.to(device), dtype)
 
 
-def _propose(candidates: _Candidates, draft, parent: int, logits: torch.Tensor, top_k: int,
-             temperature: float, generator, child_logq: dict) -> list[int]:
+def _propose(candidates: _Candidates, draft, parents: list[int], logits: torch.Tensor,
+             top_k: int, temperature: float, generator, child_logq: dict) -> list[int]:
+    """Children of every node in ``parents`` from their logits rows (f, V_draft).
+
+    One host transfer per level, not per node; zero-probability draws are dropped.
+    """
     ids, logq, row_logq = choose_children(logits, top_k, temperature, generator)
-    child_logq[parent] = row_logq
-    tokens = draft.draft_to_target(ids).tolist()
-    return candidates.add(parent, tokens, logq.tolist())
+    tokens, logq = draft.draft_to_target(ids).tolist(), logq.tolist()  # (f, k) each
+    new = []
+    for row, parent in enumerate(parents):
+        child_logq[parent] = row_logq[row]
+        keep = [i for i, value in enumerate(logq[row]) if value != float("-inf")]
+        new += candidates.add(parent, [tokens[row][i] for i in keep], [logq[row][i] for i in keep])
+    return new
 
 
 @torch.no_grad()
@@ -177,7 +194,8 @@ def build_tree(draft, draft_cache, root_token: int, root_logits: torch.Tensor,
     device, dtype = root_hidden.device, root_hidden.dtype
     candidates = _Candidates(root_token, sampling=temperature > 0.0)
     child_logq: dict[int, torch.Tensor] = {}
-    frontier = _propose(candidates, draft, 0, root_logits, top_k, temperature, generator, child_logq)
+    frontier = _propose(candidates, draft, [0], root_logits[None], top_k, temperature, generator,
+                        child_logq)
     frontier_hidden = root_hidden.expand(len(frontier), -1)  # (f, H)
     row_of: dict[int, int] = {}
     forwards = 0
@@ -188,14 +206,14 @@ def build_tree(draft, draft_cache, root_token: int, root_logits: torch.Tensor,
         input_ids = torch.tensor([candidates.tokens[n] for n in frontier], device=device)
         out = draft(input_ids[None], frontier_hidden[None], positions[None], mask, draft_cache)
         forwards += 1
-        proposer: dict[int, int] = {}  # new node -> row of this forward that proposed it
-        for i, node in enumerate(frontier):
+        row = {node: i for i, node in enumerate(frontier)}
+        for node, i in row.items():
             row_of[node] = cache_len + rows_before + i
-            for child in _propose(candidates, draft, node, out.logits[0, i], top_k, temperature,
-                                  generator, child_logq):
-                proposer[child] = i
-        frontier = candidates.best(list(proposer), top_k)
-        frontier_hidden = out.hidden[0, [proposer[node] for node in frontier]]  # (f, H)
+        children = _propose(candidates, draft, frontier, out.logits[0], top_k, temperature,
+                            generator, child_logq)
+        frontier = candidates.best(children, top_k)
+        # each new frontier node continues from the hidden of the row that proposed it
+        frontier_hidden = out.hidden[0, [row[candidates.parents[n]] for n in frontier]]  # (f, H)
     draft_cache.crop(cache_len - draft_cache.get_seq_length())
     return _finalise(candidates, candidates.select(total_tokens - 1), child_logq, device), forwards
 
@@ -212,3 +230,101 @@ def _finalise(candidates: _Candidates, kept: list[int], child_logq: dict, device
         depths=torch.tensor([candidates.depths[old] for old in kept], device=device),
         parents=parents, children=children,
         child_logq={new_index[old]: logq for old, logq in child_logq.items() if old in new_index})
+
+
+# ----------------------------------------------------------------------------- tree sizing
+@dataclass(frozen=True)
+class TreeShape:
+    """A tree setting and what the cost model expects of it per verification round:
+    tokens emitted (1 + expected accepted), seconds, and tokens/s ÷ greedy tokens/s."""
+
+    mode: str
+    depth: int
+    top_k: int
+    total_tokens: int
+    expected_tokens: float
+    round_seconds: float
+    predicted_speedup: float
+
+    def settings(self) -> dict:
+        """The ``speculative.generate`` keyword arguments of this shape."""
+        return dict(mode=self.mode, depth=self.depth, top_k=self.top_k,
+                    total_tokens=self.total_tokens)
+
+
+def rank_acceptance(reach: Sequence[float] | Mapping[int, Sequence[float]]) -> torch.Tensor:
+    """Per-depth reach probabilities -> p (D, R): P(target token = draft's rank-r proposal
+    at depth d | the path to d−1 was accepted), float64.
+
+    ``reach`` is a list (top-1 chain) or {top_k: list}: entry d−1 = P(the first d draft
+    tokens are all accepted) with top_k candidates per level (as offline acceptance
+    measures it on held-out text). Ranks between two given top_k share the gain evenly;
+    ranks above the largest given top_k, and depths past the list, get 0.
+    """
+    by_k = {1: reach} if not isinstance(reach, Mapping) else dict(reach)
+    if not by_k or any(not isinstance(k, int) or k < 1 for k in by_k):
+        raise ValueError(f"acceptance must be a list of floats or {{top_k >= 1: list}}, "
+                         f"got keys {sorted(by_k) if by_k else '(none)'}")
+    depth = max(len(v) for v in by_k.values())
+    p = torch.zeros(depth, max(by_k), dtype=torch.float64)
+    previous_k, previous = 0, torch.zeros(depth, dtype=torch.float64)
+    for k in sorted(by_k):
+        values = torch.tensor([float(x) for x in by_k[k]], dtype=torch.float64)
+        if values.numel() == 0 or not bool(((values >= 0) & (values <= 1)).all()):
+            raise ValueError(f"acceptance[{k}] must be a non-empty list of probabilities "
+                             f"in [0, 1], got {list(by_k[k])}")
+        before = torch.cat([torch.ones(1, dtype=torch.float64), values[:-1]])
+        conditional = torch.zeros(depth, dtype=torch.float64)
+        conditional[: values.numel()] = torch.where(before > 0, values / before.clamp_min(1e-300),
+                                                    torch.zeros_like(values)).clamp(max=1.0)
+        conditional = torch.maximum(conditional, previous)  # more candidates never accept less
+        p[:, previous_k:k] = ((conditional - previous) / (k - previous_k))[:, None]
+        previous_k, previous = k, conditional
+    return p
+
+
+def node_values(p: torch.Tensor, depth: int, top_k: int) -> list[float]:
+    """P(accepted) of every node of the EAGLE-2 tree (``top_k`` children per expanded node,
+    the ``top_k`` best nodes of a level expanded, ``depth`` levels) ranked by that
+    probability, best first: the best n−1 of them form the best n-token tree, and the
+    expected number of accepted tokens is their sum (independent-acceptance model)."""
+    ranks = p[:, :top_k].tolist() if p.shape[1] >= top_k else [
+        row + [0.0] * (top_k - p.shape[1]) for row in p.tolist()]
+    values, frontier = [], [1.0]
+    for level in range(min(depth, len(ranks))):
+        children = sorted((v * r for v in frontier for r in ranks[level]), reverse=True)
+        values += children
+        frontier = children[:top_k]
+    return sorted(values, reverse=True)
+
+
+def choose_shape(p: torch.Tensor, verify_seconds: Sequence[float], level_seconds: Sequence[float],
+                 catch_up_seconds: float, greedy_seconds: float, max_depth: int = 8,
+                 max_top_k: int = 8) -> TreeShape:
+    """The (depth, top_k, total_tokens) with the most expected tokens per second.
+
+    p: (D, R) from ``rank_acceptance``; verify_seconds[n−1]: one verification round over n
+    tree tokens (forward, acceptance, cache bookkeeping); level_seconds[w−1]: one draft
+    expansion over w rows; catch_up_seconds: the draft's catch-up pass; greedy_seconds:
+    one plain greedy step. A round costs catch-up + (depth−1) levels + verify(n).
+    """
+    if not verify_seconds or not level_seconds:
+        raise ValueError("verify_seconds and level_seconds must be non-empty cost curves")
+    best = None
+    for depth in range(1, max_depth + 1):
+        for top_k in range(1, min(max_top_k, len(level_seconds)) + 1):
+            gains = node_values(p, depth, top_k)
+            draft_cost = catch_up_seconds + (depth - 1) * level_seconds[top_k - 1]
+            expected = 1.0
+            for n in range(2, min(len(gains) + 1, len(verify_seconds)) + 1):
+                expected += gains[n - 2]
+                seconds = draft_cost + verify_seconds[n - 1]
+                if best is None or expected / seconds > best[0]:
+                    best = (expected / seconds, depth, top_k, n, expected, seconds)
+    if best is None:  # depth or verify curve too short for any tree of two tokens
+        raise ValueError(f"no tree fits: verify_seconds has {len(verify_seconds)} sizes (need >= 2)")
+    rate, depth, top_k, n, expected, seconds = best
+    mode = "chain" if top_k == 1 else "tree"
+    return TreeShape(mode=mode, depth=depth if mode == "tree" else n - 1, top_k=top_k,
+                     total_tokens=n, expected_tokens=expected, round_seconds=seconds,
+                     predicted_speedup=rate * greedy_seconds)
