@@ -127,9 +127,10 @@ def model_fingerprint(model: torch.nn.Module) -> dict:
         values = tensor.detach().cpu().contiguous()
         shapes.update(f"{name}:{values.dtype}:{tuple(values.shape)};".encode())
         weights.update(values.reshape(-1).view(torch.uint8).numpy())
+    config_json = json.dumps(config, sort_keys=True, default=str).encode()
     return {"name": str(getattr(model, "name_or_path", "") or ""),
             "class": type(model).__name__,
-            "config_sha256": sha256_bytes(json.dumps(config, sort_keys=True, default=str).encode())[:16],
+            "config_sha256": sha256_bytes(config_json)[:16],
             "shapes_sha256": shapes.hexdigest()[:16],
             "weights_sha256": weights.hexdigest()[:16],
             "dtype": str(model_dtype(model)).removeprefix("torch.")}

@@ -291,6 +291,11 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *, mod
     choice is in ``result.shape``.
     """
     _check_inputs(input_ids, max_new_tokens)
+    vocab_size = target.get_input_embeddings().weight.shape[0]
+    if input_ids.is_floating_point() or input_ids.min() < 0 or input_ids.max() >= vocab_size:
+        raise ValueError(f"input_ids must be integer token ids in 0..{vocab_size - 1} (the "
+                         f"target's vocabulary), got {input_ids.dtype} values "
+                         f"{int(input_ids.min())}..{int(input_ids.max())}")
     _check_settings(mode, depth, top_k, total_tokens, temperature, tree)
     draft.check_target(target)
     shape = dict(mode=mode, depth=depth, top_k=top_k, total_tokens=total_tokens)

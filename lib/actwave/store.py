@@ -223,7 +223,8 @@ def check_model(config: CaptureConfig, model, manifest: dict | None, path: Path)
     if manifest is None:
         return found
     recorded = manifest.get("model") or {  # stores from before fingerprints: the shapes only
-        key: manifest[key] for key in ("num_layers", "hidden_size", "vocab_size") if key in manifest}
+        key: manifest[key] for key in ("num_layers", "hidden_size", "vocab_size")
+        if key in manifest}
     shapes = {"num_layers": num_layers(model),
               "hidden_size": int(model.config.get_text_config().hidden_size),
               "vocab_size": int(model.get_output_embeddings().weight.shape[0])}

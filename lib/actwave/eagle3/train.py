@@ -367,9 +367,10 @@ def train_step(module, optimizer, scheduler, accelerator, batch: dict,
         output = module(**batch)
     accelerator.backward(output.loss)
     norm = accelerator.clip_grad_norm_(module.parameters(), config.grad_clip)
-    if not (torch.isfinite(output.loss.detach()) and torch.isfinite(torch.as_tensor(norm))):
-        raise FloatingPointError(f"non-finite loss {float(output.loss)} or gradient norm "
-                                 f"{float(norm)}; no optimizer step was taken")
+    loss = float(output.loss.detach())
+    if not (math.isfinite(loss) and math.isfinite(float(norm))):
+        raise FloatingPointError(f"non-finite loss {loss} or gradient norm {float(norm)}; "
+                                 "no optimizer step was taken")
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -457,10 +458,11 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
     ``eval.csv`` (held-out loss_i / acc_i per checkpoint when ``eval_store`` is given),
     ``draft/`` (the final ``save_pretrained``) and ``config.json`` (this config, store
     hash, seconds, final held-out metrics). ``eval_fn(draft) -> dict`` adds its numbers
-    (e.g. offline acceptance, ``actwave.acceptance``) to each checkpoint's eval row. One writer per out_dir (``WriterLock``); a
-    finished out_dir trained on another store is refused; a finished draft that fails its
-    checksum is rebuilt from the last checkpoint; a non-finite loss or gradient stops the
-    run (FloatingPointError) with the last good checkpoint kept.
+    (e.g. offline acceptance, ``actwave.acceptance``) to each checkpoint's eval row.
+    One writer per out_dir (``WriterLock``); a finished out_dir trained on another store
+    is refused; a finished draft that fails its checksum is rebuilt from the last
+    checkpoint; a non-finite loss or gradient stops the run (FloatingPointError) with the
+    last good checkpoint kept.
     """
     from accelerate import Accelerator
 
