@@ -22,11 +22,13 @@ from tqdm import tqdm
 
 from actwave.config import artifact_dir, atomic_write_json, save_config, to_jsonable
 from actwave.integrity import IntegrityError, WriterLock, file_record, read_json, verify_once
-from actwave.metrics import LayerStats, StreamingLayerStats, token_filter
+from actwave.metrics import LayerStats, StreamingLayerStats, token_filter, unit_rows
 
 log = logging.getLogger(__name__)
 FILTERS = ("none", "quantile", "threshold")
 MATMUL_DTYPES = ("float64", "float32")
+# Fields added to AnalysisConfig after artifacts were cached, with their defaults.
+LATER_FIELDS = {"row_normalize": False}
 
 
 @dataclass
@@ -40,6 +42,8 @@ class AnalysisConfig:
     uniform random subset of that size (``seed``) of the filtered tokens.
     ``matmul_dtype``: precision of the per-chunk cross products in ``StreamingLayerStats``
     ('float32' is ≈2× faster on CPU, relative error ~1e-6; sums stay float64).
+    ``row_normalize``: scale each token's state at each layer to unit L2 norm before the
+    statistics (``metrics.unit_rows``), the variant Skean et al. 2025 use.
     """
 
     filter: str = "none"
@@ -49,6 +53,7 @@ class AnalysisConfig:
     max_tokens: int | None = None
     seed: int = 0
     matmul_dtype: str = "float64"
+    row_normalize: bool = False
 
     def __post_init__(self) -> None:
         if self.filter not in FILTERS:
@@ -60,6 +65,18 @@ class AnalysisConfig:
             raise ValueError(f"quantile filter_value must be in [0, 1), got {self.filter_value}")
         if self.max_tokens is not None and self.max_tokens < 4:
             raise ValueError(f"max_tokens must be None or ≥ 4, got {self.max_tokens}")
+        if not isinstance(self.row_normalize, bool):
+            raise ValueError(f"row_normalize must be True or False, got {self.row_normalize!r}")
+
+    def key(self) -> dict:
+        """The config as the cache key sees it: fields added after the first release
+        (``LATER_FIELDS``) only when they differ from their default, so every artifact cached
+        before they existed keeps its key."""
+        record = to_jsonable(self)
+        for name, default in LATER_FIELDS.items():
+            if record[name] == default:
+                del record[name]
+        return record
 
 
 def token_settings(filter_quantile: float, max_tokens: int | None = None, seed: int = 0,
@@ -144,15 +161,16 @@ def check_memory(num_layers: int, dim: int, device: str | torch.device) -> int:
 
 
 def _stream_store(store, keep: torch.Tensor, device, progress: bool,
-                  matmul_dtype: str) -> LayerStats:
+                  config: AnalysisConfig) -> LayerStats:
     stream = StreamingLayerStats(store.num_layers + 1, store.hidden_size, device,
-                                 matmul_dtype=getattr(torch, matmul_dtype))
+                                 matmul_dtype=getattr(torch, config.matmul_dtype))
     offset = 0
     shards = store.iter_shards(columns=())
     for shard in tqdm(shards, total=len(store.manifest["shards"]), desc="layer stats",
                       disable=not progress, mininterval=10):
         n_shard = shard["hidden"].shape[1]
-        stream.update(shard["hidden"], keep[offset:offset + n_shard])
+        hidden = unit_rows(shard["hidden"]) if config.row_normalize else shard["hidden"]
+        stream.update(hidden, keep[offset:offset + n_shard])
         offset += n_shard
     if offset != keep.numel():
         raise ValueError(f"store shards hold {offset} tokens but its columns {keep.numel()}")
@@ -160,7 +178,7 @@ def _stream_store(store, keep: torch.Tensor, device, progress: bool,
 
 
 def _cache_key(store, config: AnalysisConfig) -> dict:
-    return {"capture": store.config_hash, "analysis": to_jsonable(config)}
+    return {"capture": store.config_hash, "analysis": config.key()}
 
 
 def save_layer_stats(directory: Path, stats: LayerStats, key: dict, **extra) -> None:
@@ -231,7 +249,7 @@ def _compute_and_save(store, config: AnalysisConfig, directory: Path, key: dict,
              counts["n_store_tokens"], config.filter)
     if counts["n_used"] < 4:
         raise ValueError(f"only {counts['n_used']} tokens survive the filter {config}; need ≥ 4")
-    stats = _stream_store(store, keep, device, progress, config.matmul_dtype)
+    stats = _stream_store(store, keep, device, progress, config)
     save_layer_stats(directory, stats, key, seed=config.seed, token_counts=counts)
     return load_layer_stats(directory, key)
 

@@ -90,6 +90,30 @@ def entropy_from_cov(cov: Tensor, alpha: float = 1.0, n: int | None = None,
     return entropy / math.log(rank_bound)
 
 
+def top_eigen_share(cov: Tensor) -> float:
+    """λ_max / Σλ of a covariance ``cov: (d, d)`` (eigenvalues clamped at 0), in (0, 1].
+
+    Near 1 when one direction carries the variance, as outlier (massive-activation)
+    dimensions do; 1/d for an isotropic covariance.
+    """
+    if cov.ndim != 2 or cov.shape[0] != cov.shape[1]:
+        raise ValueError(f"cov must be square (d, d), got {tuple(cov.shape)}")
+    eigvals = torch.linalg.eigvalsh(cov.to(torch.float64)).clamp(min=0)
+    total = eigvals.sum()
+    if not total > 0:
+        raise ValueError("covariance has zero trace: all tokens are identical")
+    return float(eigvals[-1] / total)
+
+
+def unit_rows(hidden: Tensor) -> Tensor:
+    """``hidden: (..., d)`` in float32 with every token vector scaled to unit L2 norm.
+
+    The row-normalised variant of the statistics (as Skean et al. 2025 do): a token's
+    overall scale, e.g. a massive activation, no longer weighs in. Zero rows stay zero.
+    """
+    return torch.nn.functional.normalize(hidden.to(torch.float32), dim=-1)
+
+
 def matrix_entropy(Z: Tensor, alpha: float = 1.0, normalize: bool = False) -> Tensor:
     """Matrix entropy (nats) of ``Z: (n_tokens, d)``, tokens centred; see ``entropy_from_cov``."""
     _check_matrix(Z, "Z")
@@ -137,6 +161,48 @@ def _unbiased_hsic_triplet(moments: dict[str, Tensor],
     return (_unbiased_hsic(moments["xy"], rx @ ry, rx.sum(), ry.sum(), n),
             _unbiased_hsic(moments["xx"], rx @ rx, rx.sum(), rx.sum(), n),
             _unbiased_hsic(moments["yy"], ry @ ry, ry.sum(), ry.sum(), n))
+
+
+def cka_from_moments(frob_sq: Tensor, row_products: Tensor, traces: Tensor, n: int,
+                     debiased: bool = True) -> Tensor:
+    """``(L, L)`` linear CKA of L centred layers from their pair moments.
+
+    ``frob_sq[a, b]`` = ‖X_aᵀX_b‖²_F, ``row_products[a, b]`` = Σᵢ‖x_a,ᵢ‖²‖x_b,ᵢ‖² and
+    ``traces[a]`` = Σᵢ‖x_a,ᵢ‖² (all float64, rows centred); n tokens. Biased: the ratio of
+    the ‖XᵀY‖² terms; debiased: of the unbiased HSICs (``_unbiased_hsic``).
+    """
+    if debiased:
+        frob_sq = _unbiased_hsic(frob_sq, row_products, traces[:, None], traces[None, :], n)
+    diagonal = frob_sq.diagonal()
+    return _cka_ratio(frob_sq, diagonal[:, None], diagonal[None, :])
+
+
+def linear_cka_matrix(hidden: Tensor, debiased: bool = True, block_rows: int = 256) -> Tensor:
+    """``(L, L)`` linear CKA between all layers of ``hidden: (L, n, d)``, Gram route.
+
+    ‖X_aᵀX_b‖²_F = ⟨K_a, K_b⟩_F with K_a = X_aᶜX_aᶜᵀ (n×n): a row block of every K at a
+    time, stacked as ``(L, block_rows·n)``, adds its Gram to the L×L sums, so memory is
+    L·block_rows·n and cost L·n²·d + L²·n², cheaper than the feature route's L²·n·d² when
+    n < d·L/2 (e.g. a 3000-token subsample of 31 layers × 576). Gram products in the input
+    precision (float32 states: relative error ~1e-6), sums float64.
+    """
+    if hidden.ndim != 3:
+        raise ValueError(f"hidden must be (L, n, d), got {tuple(hidden.shape)}")
+    if hidden.shape[1] < MIN_TOKENS_DEBIASED or not torch.isfinite(hidden).all():
+        raise ValueError(f"hidden needs ≥ {MIN_TOKENS_DEBIASED} tokens and finite values, got "
+                         f"{hidden.shape[1]} tokens")
+    centred = hidden - hidden.mean(dim=1, keepdim=True)  # (L, n, d)
+    n = centred.shape[1]
+    frob_sq = torch.zeros(len(centred), len(centred), dtype=torch.float64, device=hidden.device)
+    for start in range(0, n, block_rows):
+        rows = centred[:, start:start + block_rows] @ centred.transpose(1, 2)  # (L, b, n)
+        flat = rows.reshape(len(centred), -1).to(torch.float64)
+        frob_sq += flat @ flat.T
+    norms = centred.square().sum(dim=2).to(torch.float64)  # (L, n) row squared norms
+    for layer, value in enumerate(frob_sq.diagonal()):
+        if not float(value) > 0:
+            raise ValueError(f"layer row {layer} is constant over the tokens: CKA undefined")
+    return cka_from_moments(frob_sq, norms @ norms.T, norms.sum(dim=1), n, debiased)
 
 
 def _check_pair(X: Tensor, Y: Tensor, min_tokens: int) -> None:
@@ -429,16 +495,14 @@ class StreamingLayerStats:
             frob_sq[a, b] = frob_sq[b, a] = cov.square().sum()
         traces = torch.stack([self._cross[(a, a)].trace() for a in range(self.num_layers)])
         row_products = self._centred_row_norm_products(self._sums / n)
-        unbiased = _unbiased_hsic(frob_sq, row_products, traces[:, None], traces[None, :], n)
-        diag_frob, diag_unbiased = frob_sq.diagonal(), unbiased.diagonal()
         own = [self._cross[(a, a)] for a in range(self.num_layers)]
         labels = self.layers
         return LayerStats(
             layers=labels, n_tokens=n, dim=self.dim, n_seen=self.n_seen,
             entropy=torch.stack([entropy_from_cov(c, 1.0) for c in own]),
             renyi2=torch.stack([entropy_from_cov(c, 2.0) for c in own]),
-            cka=_cka_ratio(unbiased, diag_unbiased[:, None], diag_unbiased[None, :]),
-            cka_biased=_cka_ratio(frob_sq, diag_frob[:, None], diag_frob[None, :]),
+            cka=cka_from_moments(frob_sq, row_products, traces, n, debiased=True),
+            cka_biased=cka_from_moments(frob_sq, row_products, traces, n, debiased=False),
             cov={(labels[a], labels[b]): cov for (a, b), cov in self._cross.items()})
 
 
