@@ -60,6 +60,7 @@ n_seeds = 3
 extra_k = "2,4"
 extra_k_models = "smollm2-135m"
 curve_factor = 4
+max_drafts = 0  # 0 = every (set, seed); the smoke profile trains only the first few
 
 # %%
 import logging
@@ -134,7 +135,7 @@ pd.concat([pd.DataFrame([{"model": n, "label": s.label, "layers": s.layer_ids, "
 # %%
 drafts_dir = cache_dir() / "study-drafts"
 for name, p in prepared.items():
-    order = study.draft_order(p["sets"])
+    order = study.draft_order(p["sets"])[: max_drafts or None]
     default = next(s for s in p["sets"] if s.kind == "default")
     for study_set, index in tqdm(order, desc=f"drafts {name}", mininterval=60):
         study.run_draft(study_set, seed + index, configs[name], p["model"], p["stores"],

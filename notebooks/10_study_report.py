@@ -29,7 +29,7 @@
 profile = "study"
 models = "smollm2-135m,gemma3-270m"
 seed = 0
-n_bootstrap = 2000
+n_bootstrap = 1000
 n_permutations = 10000
 
 # %%

@@ -88,6 +88,11 @@ def test_top_k_acceptance_dominates_top_1(greedy_case):
     top4 = offline(draft, target, sequence, prompt.shape[1], depth=3, top_k=4)
     assert (top4.accepted >= top1.accepted).all()
     assert tau_hat([top4]) > tau_hat([top1])
+    states, argmax = text_features(target, sequence)
+    in_reply = torch.arange(sequence.numel()) >= prompt.shape[1]
+    both = sequence_acceptance(draft, states, sequence, argmax, in_reply, 3, top_k=(1, 4))
+    assert torch.equal(both[0].accepted, top1.accepted)  # one unroll, same answers
+    assert torch.equal(both[1].accepted, top4.accepted)
 
 
 def test_non_greedy_text_stops_the_chain():

@@ -97,20 +97,29 @@ def root_mask(in_reply: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def sequence_acceptance(draft, target_states: torch.Tensor, input_ids: torch.Tensor,
                         target_argmax: torch.Tensor, in_reply: torch.Tensor, depth: int,
-                        top_k: int = 1) -> SequenceAcceptance:
-    """Offline acceptance of one sequence (all (L,) tensors but states (L, k·D))."""
+                        top_k: int | tuple[int, ...] = 1):
+    """Offline acceptance of one sequence (all (L,) tensors but states (L, k·D)).
+
+    ``top_k`` an int -> one SequenceAcceptance; a tuple -> one per value, from a single
+    unroll (the top-1 proposal is the first of the top-k).
+    """
+    top_ks = (top_k,) if isinstance(top_k, int) else tuple(top_k)
     if input_ids.dim() != 1 or input_ids.numel() < 3:
         raise ValueError(f"need one sequence of >= 3 tokens, got shape {tuple(input_ids.shape)}")
-    if depth < 1 or top_k < 1:
+    if depth < 1 or min(top_ks) < 1:
         raise ValueError(f"depth and top_k must be >= 1, got depth={depth}, top_k={top_k}")
     device = draft.fc.weight.device
     ids, argmax, reply = (x[None].to(device) for x in (input_ids, target_argmax, in_reply))
-    proposals = step_proposals(draft, target_states[None].to(device), ids, depth, top_k)
-    hits = chain_hits(proposals, ids, argmax, reply)[0]  # (W, K)
+    proposals = step_proposals(draft, target_states[None].to(device), ids, depth, max(top_ks))
     rounds = root_mask(reply)[0]  # (W,)
-    reached = hits.long().cumprod(dim=-1)[rounds].sum(dim=0)  # (K,)
-    return SequenceAcceptance(accepted=leading_hits(hits[rounds]).cpu(), reached=reached.cpu(),
-                              roots=(rounds.nonzero().squeeze(1) + 1).cpu())
+    results = []
+    for k in top_ks:
+        hits = chain_hits(proposals[..., :k], ids, argmax, reply)[0]  # (W, K)
+        reached = hits.long().cumprod(dim=-1)[rounds].sum(dim=0)  # (K,)
+        results.append(SequenceAcceptance(accepted=leading_hits(hits[rounds]).cpu(),
+                                          reached=reached.cpu(),
+                                          roots=(rounds.nonzero().squeeze(1) + 1).cpu()))
+    return results[0] if isinstance(top_k, int) else tuple(results)
 
 
 def tau_hat(results: list[SequenceAcceptance]) -> float:

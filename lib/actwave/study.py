@@ -250,8 +250,7 @@ def offline_scores(draft, data, depth: int, top_k: int) -> dict:
     for index in range(len(data)):
         args = (draft, data.target_states[index].float(), data.input_ids[index],
                 data.argmax[index], data.loss_mask[index].bool())
-        chain = sequence_acceptance(*args, depth=depth, top_k=1)
-        tree = sequence_acceptance(*args, depth=depth, top_k=top_k)
+        chain, tree = sequence_acceptance(*args, depth=depth, top_k=(1, top_k))
         walk_tau, walk_rounds = _walk(chain, int(data.loss_mask[index].sum()))
         rows.append({"sequence": index, "roots": chain.n_roots, "walk_rounds": walk_rounds,
                      "walk_tau": walk_tau,
@@ -262,6 +261,9 @@ def offline_scores(draft, data, depth: int, top_k: int) -> dict:
     summary = {"tau_hat": tau_hat([r.pop("_chain") for r in rows]),
                "tau_hat_topk": tau_hat([r.pop("_tree") for r in rows])}
     roots = sum(r["roots"] for r in rows)
+    # share of held-out reply positions whose target argmax the draft can propose at all
+    argmax = torch.cat([a[m.bool()] for a, m in zip(data.argmax, data.loss_mask)])
+    summary["vocab_coverage"] = float(draft.t2d.cpu()[argmax].float().mean())
     summary["step_acceptance"] = [sum(r["reached"][i] for r in rows) / max(roots, 1)
                                   for i in range(depth)]
     return {**summary, "per_sequence": rows}
