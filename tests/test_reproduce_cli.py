@@ -3,10 +3,14 @@ each notebook gets only the parameters it declares and a quiet, readable log."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,9 +26,9 @@ def checkout(tmp_path_factory) -> Path:
     """reproduce.sh in a scratch folder whose .venv is a stand-in for this interpreter,
     stamped as up to date, so the script never installs anything."""
     folder = tmp_path_factory.mktemp("checkout")
-    for name in ("reproduce.sh", *STAMPED):
+    for name in ("reproduce.sh", "jupytext.toml", *STAMPED):
         shutil.copy2(ROOT / name, folder / name)
-    for name in ("profiles", "notebooks"):
+    for name in ("profiles", "notebooks", "jupyter"):
         shutil.copytree(ROOT / name, folder / name)
     python = folder / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
@@ -65,6 +69,36 @@ def test_refuses_with_one_line_before_any_notebook(checkout, args, message):
 def test_refuses_a_model_folder_without_config(checkout, tmp_path):
     result = reproduce(checkout, "--profile", "smoke", "--model", str(tmp_path))
     assert result.returncode == 2 and "has no config.json" in result.stderr
+
+
+def test_lab_serves_notebooks_with_the_jupytext_viewer_by_default(checkout, tmp_path):
+    """`./reproduce.sh lab` starts JupyterLab whose settings open .py files as notebooks."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings")}
+    lab = subprocess.Popen(["bash", str(checkout / "reproduce.sh"), "lab", "--no-browser",
+                            "--allow-root", f"--port={port}", "--IdentityProvider.token=t"],
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = (f"http://127.0.0.1:{port}/lab/api/settings/"
+           "@jupyterlab/docmanager-extension:plugin?token=t")
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    settings = json.loads(response.read())
+                break
+            except OSError:
+                assert lab.poll() is None and time.monotonic() < deadline, "lab did not start"
+                time.sleep(0.5)
+    finally:
+        lab.terminate()
+        lab.wait(timeout=30)
+    viewers = settings["schema"]["properties"]["defaultViewers"]["default"]
+    assert viewers["python"] == "Jupytext Notebook"
 
 
 def test_profile_notebooks_key_and_only_select_in_order(tmp_path):
@@ -117,8 +151,8 @@ def test_notebook_gets_only_declared_parameters(tmp_path):
 
 
 def test_run_log_is_quiet_and_names_what_the_step_wrote(tmp_path):
-    """`runplan run` in its own process, as reproduce.sh calls it (repo root and figures
-    folder pointed at tmp_path): a kernel over encrypted sockets, no unknown-parameter or
+    """`runplan run` in its own process, as reproduce.sh calls it (repo root, results and
+    figures folders pointed at tmp_path): a kernel over encrypted sockets, no unknown-parameter or
     cell-marker lines, the notebook's tqdm bar as text, the file it wrote listed at the end."""
     for folder in ("notebooks", "profiles", "figures"):
         (tmp_path / folder).mkdir()
@@ -131,7 +165,8 @@ def test_run_log_is_quiet_and_names_what_the_step_wrote(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path), "run", str(source), "--profile", "smoke"],
         capture_output=True, text=True, timeout=300,
-        env={**os.environ, "ACTWAVE_FIGURES": str(tmp_path / "figures")})
+        env={**os.environ, "ACTWAVE_FIGURES": str(tmp_path / "figures"),
+             "ACTWAVE_RESULTS": str(tmp_path / "results")})
     log = result.stdout + result.stderr
     assert result.returncode == 0, log
     assert (tmp_path / "results" / "smoke" / "05_probe.ipynb").exists()
