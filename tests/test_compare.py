@@ -104,7 +104,13 @@ def committed_repo(tmp_path, monkeypatch):
 
 def test_main_compares_working_tree_with_head(committed_repo, capsys):
     assert compare.main(["--profile", "cpu"]) == 0
-    assert "1 of 1 tables match" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "1 of 1 tables match" in out and "byte-identical" in out
+    fresh = SELECTION.copy()
+    fresh["renyi2"] *= 1 + 1e-7
+    fresh.to_csv(committed_repo, index=False)
+    assert compare.main(["--profile", "cpu"]) == 0
+    assert "largest relative difference 1.0e-07" in capsys.readouterr().out
     SELECTION.assign(layers=["2,15,27", "4,17,18"]).to_csv(committed_repo, index=False)
     assert compare.main(["--profile", "cpu"]) == 1
     out = capsys.readouterr().out
@@ -113,3 +119,5 @@ def test_main_compares_working_tree_with_head(committed_repo, capsys):
     assert compare.main(["--profile", "cpu"]) == 1
     assert "not regenerated" in capsys.readouterr().out
     assert compare.main(["--profile", "smoke"]) == 2
+    assert compare.main(["--profile", "../cpu"]) == 2
+    assert "not a profile name" in capsys.readouterr().err
