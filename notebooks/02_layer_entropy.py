@@ -31,36 +31,30 @@ profile = "cpu"
 models = "smollm2-135m,gemma3-270m"
 seed = 0
 device = "cpu"
-capture_dtype = "float32"  # capture keys as in notebook 01 (they locate its store)
-analysis_sequences = 64
-max_seq_len = 512
-capture_batch_size = 4
 filter_quantile = 0.5
 max_tokens = 0  # 0 = use every kept token
-stats_matmul_dtype = "float64"  # "float32": ≈2× faster streaming pass on CPU
+stats_matmul_dtype = "float32"  # per-chunk cross products (≈2× faster on CPU); sums stay float64
 
 # %%
 import logging
 
 import pandas as pd
 
-from actwave import analysis, plots, selection, store
+from actwave import analysis, index, plots, selection
 from actwave import models as model_zoo
-from actwave.config import repo_root
+from actwave.config import results_dir as profile_results
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)
 NOTEBOOK = "02_layer_entropy"
-model_names = [name.strip() for name in models.split(",") if name.strip()]
-captures = store.analysis_captures(
-    model_names, n_sequences=analysis_sequences, max_seq_len=max_seq_len,
-    batch_size=capture_batch_size, dtype=capture_dtype, seed=seed)
+model_names = index.names(models)
+results_dir = profile_results(profile)
+stores = index.open_stores(results_dir, model_names, "analysis")  # notebook 01's stores
 settings = analysis.token_settings(filter_quantile, max_tokens=max_tokens or None, seed=seed,
                                    matmul_dtype=stats_matmul_dtype,
                                    with_special=True)
-results_dir = repo_root() / "results" / profile
 plots.setup_style()
-captures, settings
+stores, settings
 
 # %% [markdown]
 # ## Layer statistics
@@ -69,7 +63,7 @@ captures, settings
 
 # %%
 stats = analysis.per_layer_stats(
-    {name: store.open_store(config) for name, config in captures.items()}, settings, device)
+    stores, settings, device)
 num_layers = {name: max(stats[(name, "all tokens")].layers) for name in model_names}
 default_layers = {name: selection.eagle3_default(n) for name, n in num_layers.items()}
 default_layers

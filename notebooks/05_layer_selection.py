@@ -31,13 +31,9 @@ profile = "cpu"
 models = "smollm2-135m,gemma3-270m"
 seed = 0
 device = "cpu"
-capture_dtype = "float32"  # capture keys as in notebook 01 (they locate its store)
-analysis_sequences = 64
-max_seq_len = 512
-capture_batch_size = 4
 filter_quantile = 0.5
 max_tokens = 0  # 0 = use every kept token
-stats_matmul_dtype = "float64"  # "float32": ≈2× faster streaming pass on CPU
+stats_matmul_dtype = "float32"  # per-chunk cross products (≈2× faster on CPU); sums stay float64
 k = 3
 greedy_alpha = 1.0  # Rényi order of the greedy aggregate-entropy method (1 = Shannon)
 mrmr_lambda = 1.0
@@ -47,20 +43,19 @@ competitive_percentile = 90.0
 
 # %%
 import logging
-from statistics import mean
 
 import pandas as pd
 
-from actwave import analysis, plots, selection_report, store
-from actwave.config import package_versions, repo_root
+from actwave import analysis, index, plots, selection_report
+from actwave.config import package_versions
+from actwave.config import results_dir as profile_results
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)
 NOTEBOOK = "05_layer_selection"
-model_names = [name.strip() for name in models.split(",") if name.strip()]
-captures = store.analysis_captures(
-    model_names, n_sequences=analysis_sequences, max_seq_len=max_seq_len,
-    batch_size=capture_batch_size, dtype=capture_dtype, seed=seed)
+model_names = index.names(models)
+results_dir = profile_results(profile)
+stores = index.open_stores(results_dir, model_names, "analysis")  # notebook 01's stores
 settings = analysis.token_settings(filter_quantile, max_tokens=max_tokens or None, seed=seed,
                                    matmul_dtype=stats_matmul_dtype)
 unfiltered, filtered = settings  # "all tokens", "top X% entropy"
@@ -69,9 +64,8 @@ config = selection_report.SelectionConfig(
     combined_method=combined_method, competitive_percentile=competitive_percentile, seed=seed)
 methods = config.methods()  # label (= method name): (method, options)
 keys = [(name, label) for name in model_names for label in settings]
-results_dir = repo_root() / "results" / profile
 plots.setup_style()
-captures, settings
+stores, settings
 
 # %% [markdown]
 # ## Every method's set, its scores and percentiles
@@ -79,7 +73,6 @@ captures, settings
 # model and token set at a time.
 
 # %%
-stores = {name: store.open_store(config) for name, config in captures.items()}
 records = {(name, label): selection_report.compare_methods(analysis.compute_layer_stats(
                stores[name], settings[label], device=device), methods, k=config.k)
            for name, label in keys}
@@ -101,47 +94,26 @@ for objective in ("renyi2", "logdet"):
 # ## Is the EAGLE-3 default competitive, and why?
 # From the statistics alone: the default's H₂ percentile, the entropy rank of its layers
 # among the candidates, its redundancy (mean pairwise debiased CKA) and how many CKA
-# compartments it spans, next to the best H₂ set.
+# compartments it spans, next to the set of `combined_method` (by default the best H₂ set).
 
 # %%
 stats = {(name, label): analysis.compute_layer_stats(
              stores[name], settings[label], device=device).without_cov() for name, label in keys}
-best_label = "renyi2_exhaustive"
-explanations = []
-for (name, label), rows in records.items():
-    by_label = {row["label"]: row for row in rows}
-    set_stats = stats[(name, label)]
-    default = selection_report.set_profile(set_stats, by_label["eagle3_default"]["layers"])
-    best = selection_report.set_profile(set_stats, by_label[best_label]["layers"])
-    percentile = by_label["eagle3_default"]["renyi2_pct"]
-    verdict = "competitive" if percentile >= config.competitive_percentile else "not competitive"
-    less_informative = mean(default["entropy_ranks"]) > mean(best["entropy_ranks"])
-    more_redundant = default["mean_cka"] > best["mean_cka"]
-    explanations.append(
-        f"**{name} · {label}**: the default {default['layers']} is **{verdict}** — H₂ "
-        f"percentile {percentile:.1f} (best set {best['layers']}). Entropy ranks of its "
-        f"layers {default['entropy_ranks']} vs {best['entropy_ranks']} for the best set; mean "
-        f"pairwise CKA {default['mean_cka']:.2f} vs {best['mean_cka']:.2f}; it spans "
-        f"{default['compartments_hit']} of {default['n_compartments']} compartments "
-        f"(best: {best['compartments_hit']}). Relative to the best set its layers are "
-        f"{'less' if less_informative else 'no less'} informative and "
-        f"{'more' if more_redundant else 'no more'} redundant.")
+explanations = [f"**{name} · {label}**: " + selection_report.explain_default(
+                    stats[(name, label)], rows, config)
+                for (name, label), rows in records.items()]
 print("\n\n".join(explanations))
 
 # %% [markdown]
 # ## Candidate layer sets for notebook 06 (one draft is trained per set)
+# `selection_report.DRAFT_SOURCES` says which method and token set feeds each draft; the
+# entropy+CKA drafts take `combined_method`'s sets.
 
 # %%
-picks = {key: {row["label"]: list(row["layers"]) for row in rows} for key, rows in records.items()}
-candidate_sets = {name: {
-    "eagle3_default": picks[(name, unfiltered)]["eagle3_default"],
-    "entropy_cka_filtered": picks[(name, filtered)][config.combined_method],
-    "entropy_cka_unfiltered": picks[(name, unfiltered)][config.combined_method],
-    "entropy_only": picks[(name, filtered)]["entropy_topk"],
-    "cka_only": picks[(name, filtered)]["cka_farthest"],
-    "control_adjacent_early": picks[(name, unfiltered)]["first_k"],
-} for name in model_names}
-plots.save_json(candidate_sets, "05_candidate_sets", NOTEBOOK, results_dir)
+picks = {key: {row["label"]: row["layers"] for row in rows} for key, rows in records.items()}
+candidate_sets = {name: config.candidate_sets(picks[(name, unfiltered)], picks[(name, filtered)])
+                  for name in model_names}
+plots.save_json(candidate_sets, index.CANDIDATE_SETS, NOTEBOOK, results_dir)
 plots.save_json({"selection": config, "analysis": settings,
                  "captures": {name: s.config_hash for name, s in stores.items()},
                  "versions": package_versions()}, "05_selection_config", NOTEBOOK, results_dir)

@@ -14,7 +14,7 @@
 # # 07 — Speculative decoding: τ and speedup per layer set, and does the proxy predict τ?
 #
 # Every draft trained by notebook 06 (`results/<profile>/06_drafts.json`: model → label →
-# draft folder under the cache dir) decodes MT-bench (both turns), HumanEval and held-out
+# draft folder under the cache dir) decodes MT-bench (`max_turns` turns), HumanEval and held-out
 # ShareGPT prompts with its target at temperature 0 (`actwave.speculative.generate`,
 # EAGLE-2 dynamic tree). In the same run and on the same prompts: our plain greedy
 # decoding (the speedup baseline and exactness reference), HF `generate` greedy and HF
@@ -31,48 +31,44 @@
 profile = "cpu"
 train_models = "smollm2-135m"  # models with drafts from notebook 06
 device = "cpu"
-dtype = "float32"
+dtype = "float32"  # fp32: speculative output must equal greedy exactly
 benchmarks = "mtbench,humaneval,sharegpt"
-n_prompts = 5
-max_turns = 2
-max_new_tokens = 128
+n_prompts = 2
+max_turns = 1
+max_new_tokens = 64
 max_prompt_tokens = 1024
 mode = "tree"
-depth = 6
-top_k = 8
-total_tokens = 32
+depth = 4
+top_k = 4
+total_tokens = 16
 peers = True
 n_bootstrap = 1000
 seed = 0
 
 # %%
-import json
 import logging
 
 import matplotlib.pyplot as plt
 import pandas as pd
-import seaborn as sns
 import torch
 
-from actwave import evaluate, plots
+from actwave import evaluate, index, plots
 from actwave import models as model_zoo
-from actwave.config import repo_root
+from actwave.config import results_dir as profile_results
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)
 NOTEBOOK = "07_speculative"
-results_dir = repo_root() / "results" / profile
-model_names = [name.strip() for name in train_models.split(",") if name.strip()]
+results_dir = profile_results(profile)
+model_names = index.names(train_models)
 config = evaluate.EvalConfig(
-    dtype=dtype, benchmarks=tuple(b.strip() for b in benchmarks.split(",") if b.strip()),
+    dtype=dtype, benchmarks=tuple(index.names(benchmarks)),
     n_prompts=n_prompts, max_turns=max_turns, max_new_tokens=max_new_tokens,
     max_prompt_tokens=max_prompt_tokens, mode=mode, depth=depth, top_k=top_k,
     total_tokens=total_tokens, peers=peers, n_bootstrap=n_bootstrap, seed=seed)
-draft_dirs = json.loads((results_dir / "06_drafts.json").read_text())
-missing = [name for name in model_names if name not in draft_dirs]
-assert not missing, f"06_drafts.json has no drafts for {missing}: run notebook 06"
+draft_dirs = index.read_index(results_dir, index.DRAFTS, model_names)  # notebook 06's drafts
 plots.setup_style()
-config, {name: draft_dirs[name] for name in model_names}
+config, draft_dirs
 
 # %% [markdown]
 # ## Decoding runs (one per model; all methods side by side on each prompt)
@@ -128,13 +124,7 @@ correlations
 # %%
 shown = joined[~joined["score"].str.endswith("_pct")]
 if not shown.empty:
-    grid = sns.relplot(data=shown, x="value", y="tau", hue="method", style="model",
-                       col="score", row="setting", kind="scatter", height=2.6,
-                       facet_kws={"sharex": False})
-    grid.set_titles("{row_name} · {col_name}")
-    grid.set_axis_labels("selection score", "τ (all benchmarks)")
-    grid.figure.suptitle("measured τ vs selection score per trained draft", y=1.02)
-    plots.save_figure(grid.figure, f"{NOTEBOOK}_tau_vs_score", NOTEBOOK)
+    plots.save_figure(plots.plot_tau_vs_score(shown), f"{NOTEBOOK}_tau_vs_score", NOTEBOOK)
 
 # %% [markdown]
 # ## Acceptance per draft position
@@ -146,14 +136,7 @@ acceptance = pd.concat([run["acceptance"].assign(model=name) for name, run in ru
 plots.save_table(acceptance, f"{NOTEBOOK}_acceptance", NOTEBOOK, results_dir,
                  sort_by=["model", "benchmark", "method", "position"])
 for name in model_names:
-    subset = acceptance[acceptance["model"] == name].melt(
-        id_vars=["benchmark", "method", "position"], value_vars=["reach", "conditional"],
-        var_name="rate", value_name="value")
-    grid = sns.relplot(data=subset, x="position", y="value", hue="method", col="benchmark",
-                       row="rate", kind="line", marker="o", height=2.6)
-    grid.set_titles("{col_name} · {row_name}")
-    grid.set(ylim=(0, 1.02))
-    grid.set_axis_labels("draft position i", "acceptance")
-    grid.figure.suptitle(f"{name}: acceptance per draft position", y=1.02)
-    plots.save_figure(grid.figure, f"{NOTEBOOK}_acceptance_{model_zoo.slug(name)}", NOTEBOOK)
-    plt.close(grid.figure)
+    fig = plots.plot_acceptance(acceptance[acceptance["model"] == name],
+                                title=f"{name}: acceptance per draft position")
+    plots.save_figure(fig, f"{NOTEBOOK}_acceptance_{model_zoo.slug(name)}", NOTEBOOK)
+    plt.close(fig)

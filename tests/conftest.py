@@ -53,3 +53,11 @@ def smollm2():
     """The real bundled SmolLM2-135M (dequantised once into the test cache)."""
     from actwave import models
     return models.load("smollm2-135m")
+
+
+def pytest_collection_modifyitems(items):
+    """Every test that uses the real SmolLM2 (directly or through another fixture) is a
+    ``real_model`` test, so ``-m "not real_model"`` runs on tiny random models only."""
+    for item in items:
+        if "smollm2" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_model)

@@ -1,12 +1,12 @@
 """Every numbered notebook runs end to end with the smoke profile, in order, via papermill:
 on the bundled SmolLM2, and on a model given as a local folder (what `--model PATH` does).
 
-Each notebook must leave its tables in results/<profile>/ (listed in its MANIFEST.json) and
-its figures in the figures folder; a notebook that swallowed an exception would not.
+Each run writes into fresh temporary results and figures folders ($ACTWAVE_RESULTS,
+$ACTWAVE_FIGURES), so a notebook must leave its own tables (listed in MANIFEST.json) and
+figures there; one that swallowed an exception, or relied on an earlier run's files, would
+not.
 """
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,16 +19,12 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
 
 @pytest.fixture(scope="module")
 def smoke_env(tmp_path_factory):
-    figures = tmp_path_factory.mktemp("figures")
-    old = os.environ.get("ACTWAVE_FIGURES")
-    os.environ["ACTWAVE_FIGURES"] = str(figures)
-    (ROOT / "results" / "smoke").mkdir(parents=True, exist_ok=True)
-    yield {"figures": figures, "results": ROOT / "results" / "smoke",
-           "params": yaml.safe_load((ROOT / "profiles" / "smoke.yaml").read_text())}
-    if old is None:
-        os.environ.pop("ACTWAVE_FIGURES")
-    else:
-        os.environ["ACTWAVE_FIGURES"] = old
+    figures, results = tmp_path_factory.mktemp("figures"), tmp_path_factory.mktemp("results")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ACTWAVE_FIGURES", str(figures))
+        patch.setenv("ACTWAVE_RESULTS", str(results))
+        yield {"figures": figures, "results": results,
+               "params": yaml.safe_load((ROOT / "profiles" / "smoke.yaml").read_text())}
 
 
 def run_notebook(source: Path, params: dict, results: Path, tmp_path: Path) -> None:
@@ -38,6 +34,7 @@ def run_notebook(source: Path, params: dict, results: Path, tmp_path: Path) -> N
 
     notebook = tmp_path / f"{source.stem}.ipynb"
     jupytext.write(jupytext.read(source), notebook)
+    results.mkdir(parents=True, exist_ok=True)
     papermill.execute_notebook(str(notebook), str(results / notebook.name),
                                parameters=params, kernel_name="python3",
                                cwd=str(ROOT / "notebooks"), progress_bar=False)
@@ -48,10 +45,22 @@ def run_notebook(source: Path, params: dict, results: Path, tmp_path: Path) -> N
 
 
 @pytest.mark.notebook
+def test_notebook_without_its_input_names_the_notebook_to_run(smoke_env, tmp_path):
+    """Notebook 04 opened alone, before notebook 01 made the store index: a clear error."""
+    import papermill
+
+    with pytest.raises(papermill.PapermillExecutionError,
+                       match=r"01_stores.json not found: run notebook 01_capture first"):
+        run_notebook(ROOT / "notebooks" / "04_aggregate_entropy.py", {"profile": "nothing-run-yet"},
+                     smoke_env["results"] / "nothing-run-yet", tmp_path)
+
+
+@pytest.mark.notebook
+@pytest.mark.real_model
 @pytest.mark.parametrize("source", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_with_smoke_profile(source, smoke_env, tmp_path):
-    run_notebook(source, {**smoke_env["params"], "profile": "smoke"}, smoke_env["results"],
-                 tmp_path)
+    run_notebook(source, {**smoke_env["params"], "profile": "smoke"},
+                 smoke_env["results"] / "smoke", tmp_path)
 
 
 @pytest.mark.notebook
@@ -70,9 +79,7 @@ def test_pipeline_runs_on_a_local_model_folder(smollm2, smoke_env, tmp_path):
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    results = ROOT / "results" / "smoke-local"
-    shutil.rmtree(results, ignore_errors=True)
-    results.mkdir(parents=True)
+    results = smoke_env["results"] / "smoke-local"
     params = {**smoke_env["params"], "profile": "smoke-local", "models": str(folder),
               "train_models": str(folder)}
     for source in NOTEBOOKS:

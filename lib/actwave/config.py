@@ -105,3 +105,11 @@ def save_config(directory: Path | str, config: Any, **extra: Any) -> Path:
     path = Path(directory) / "config.json"
     atomic_write_json(path, record)
     return path
+
+
+def results_dir(profile: str) -> Path:
+    """A profile's tables and hand-over indexes: ``$ACTWAVE_RESULTS/<profile>`` (a relative
+    path is taken from the repo root), else ``<repo>/results/<profile>``."""
+    if not profile or "/" in profile or "\\" in profile or profile.startswith("."):
+        raise ValueError(f"profile must be a plain name such as 'cpu', got {profile!r}")
+    return repo_root() / os.environ.get("ACTWAVE_RESULTS", "results") / profile

@@ -45,19 +45,19 @@ GREEDY = "greedy"
 
 @dataclass
 class EvalConfig:
-    """One harness run (saved beside its records)."""
+    """One harness run (saved beside its records); defaults are the ``cpu`` profile's."""
 
     model: str = "smollm2-135m"
     dtype: str = "float32"
     benchmarks: tuple[str, ...] = BENCHMARKS
-    n_prompts: int = 10                 # per benchmark
-    max_turns: int = 2                  # 1: MT-bench first turns only
-    max_new_tokens: int = 128
+    n_prompts: int = 2                  # per benchmark
+    max_turns: int = 1                  # 1: MT-bench first turns only
+    max_new_tokens: int = 64
     max_prompt_tokens: int = 1024
     mode: str = "tree"
-    depth: int = 6
-    top_k: int = 8
-    total_tokens: int = 32
+    depth: int = 4
+    top_k: int = 4
+    total_tokens: int = 16
     peers: bool = True                  # also time HF generate and HF prompt lookup
     prompt_lookup_tokens: int = 10
     n_bootstrap: int = 1000

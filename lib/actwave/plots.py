@@ -397,3 +397,70 @@ def plot_method_scores(table: pd.DataFrame, method: str = "method", value: str =
         fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def _require(table: pd.DataFrame, columns: Sequence[str]) -> None:
+    missing = [c for c in columns if c not in table.columns]
+    if missing:
+        raise ValueError(f"columns {missing} not in table columns {list(table.columns)}")
+
+
+def plot_training_curves(curves: pd.DataFrame, held_out: pd.DataFrame, title: str = "") -> Figure:
+    """Draft training of one model: smoothed loss, then held-out agreement per TTT step.
+
+    curves: long-form ``step``, ``loss_smooth``, ``label`` (one line per layer set);
+    held_out: long-form ``step``, ``ttt_step`` ("acc_0", "acc_1", ...), ``top1_agreement``,
+    ``label``. One panel for the loss and one per TTT step, sharing a legend.
+    """
+    _require(curves, ["step", "loss_smooth", "label"])
+    _require(held_out, ["step", "ttt_step", "top1_agreement", "label"])
+    positions = sorted(set(held_out["ttt_step"]), key=lambda name: int(name.split("_")[-1]))
+    fig, axes = plt.subplots(1, 1 + len(positions), figsize=(3.6 * (1 + len(positions)), 3.2),
+                             squeeze=False)
+    sns.lineplot(data=curves, x="step", y="loss_smooth", hue="label", ax=axes[0][0],
+                 legend=False)
+    axes[0][0].set(title="train loss Σ γ^i CE_i", ylabel="loss")
+    for i, position in enumerate(positions):
+        sns.lineplot(data=held_out[held_out["ttt_step"] == position], x="step",
+                     y="top1_agreement", hue="label", marker="o", ax=axes[0][1 + i],
+                     legend=i == len(positions) - 1)
+        axes[0][1 + i].set(title=f"held-out top-1, TTT step {i}", ylim=(0, None))
+    sns.move_legend(axes[0][-1], "upper left", bbox_to_anchor=(1.02, 1))
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_tau_vs_score(joined: pd.DataFrame) -> Figure:
+    """Measured τ against each selection score: one panel per score (columns) and token
+    setting (rows); points are trained drafts (``method``), marker style by ``model``.
+
+    joined: long-form ``value``, ``tau``, ``method``, ``model``, ``score``, ``setting``.
+    """
+    _require(joined, ["value", "tau", "method", "model", "score", "setting"])
+    grid = sns.relplot(data=joined, x="value", y="tau", hue="method", style="model",
+                       col="score", row="setting", kind="scatter", height=2.6,
+                       facet_kws={"sharex": False})
+    grid.set_titles("{row_name} · {col_name}")
+    grid.set_axis_labels("selection score", "τ (all benchmarks)")
+    grid.figure.suptitle("measured τ vs selection score per trained draft", y=1.02)
+    return grid.figure
+
+
+def plot_acceptance(acceptance: pd.DataFrame, title: str = "") -> Figure:
+    """Acceptance per draft position of one model: rows ``reach`` and ``conditional``,
+    one column per benchmark, one line per method.
+
+    acceptance: ``benchmark``, ``method``, ``position``, ``reach``, ``conditional``.
+    """
+    _require(acceptance, ["benchmark", "method", "position", "reach", "conditional"])
+    rates = acceptance.melt(id_vars=["benchmark", "method", "position"],
+                            value_vars=["reach", "conditional"], var_name="rate",
+                            value_name="value")
+    grid = sns.relplot(data=rates, x="position", y="value", hue="method", col="benchmark",
+                       row="rate", kind="line", marker="o", height=2.6)
+    grid.set_titles("{col_name} · {row_name}")
+    grid.set(ylim=(0, 1.02))
+    grid.set_axis_labels("draft position i", "acceptance")
+    grid.figure.suptitle(title, y=1.02)
+    return grid.figure

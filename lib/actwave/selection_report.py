@@ -18,6 +18,18 @@ from actwave.selection import (METHODS, ScoreFn, all_subsets, check_k, cka_matri
                                compartment_layers, exhaustive, objective, percentile,
                                resolve_candidates, score_of, select)
 
+# The drafts notebook 06 trains, by label: (token set the layers were picked on, method);
+# None = the config's ``combined_method``. The entropy+CKA sets with and without token
+# filtering, single-criterion contrasts, the EAGLE-3 default and an adjacent-early control.
+DRAFT_SOURCES = {
+    "eagle3_default": ("unfiltered", "eagle3_default"),
+    "entropy_cka_filtered": ("filtered", None),
+    "entropy_cka_unfiltered": ("unfiltered", None),
+    "entropy_only": ("filtered", "entropy_topk"),
+    "cka_only": ("filtered", "cka_farthest"),
+    "control_adjacent_early": ("unfiltered", "first_k"),
+}
+
 
 @dataclass
 class SelectionConfig:
@@ -48,6 +60,14 @@ class SelectionConfig:
                    "greedy_aggregate_entropy": {"alpha": self.greedy_alpha},
                    "logdet_dpp": {"theta": self.dpp_theta}, "mrmr": {"lam": self.mrmr_lambda}}
         return {name: (name, options.get(name, {})) for name in METHODS}
+
+    def candidate_sets(self, unfiltered: Mapping[str, Sequence[int]],
+                       filtered: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
+        """{draft label: layers} of ``DRAFT_SOURCES``, from each method's picks
+        ({method label: layers}) on all tokens (``unfiltered``) and top-entropy tokens."""
+        picks = {"unfiltered": unfiltered, "filtered": filtered}
+        return {label: [int(v) for v in picks[token_set][method or self.combined_method]]
+                for label, (token_set, method) in DRAFT_SOURCES.items()}
 
 
 def pairwise_scores(score_fn: ScoreFn, layers: Sequence[int]) -> Tensor:
@@ -133,3 +153,28 @@ def set_profile(stats: Any, layers: Sequence[int], candidates: Sequence[int] | N
             "mean_cka": float(pair_values.mean()) if pair_values.numel() else math.nan,
             "max_cka": float(pair_values.max()) if pair_values.numel() else math.nan,
             "compartments_hit": len(hit), "n_compartments": len(blocks)}
+
+
+def explain_default(stats: Any, rows: Sequence[Mapping], config: SelectionConfig) -> str:
+    """Whether the EAGLE-3 default set is competitive, and why, as one Markdown sentence.
+
+    ``rows``: ``compare_methods`` rows of one model and token set (with ``eagle3_default``
+    and ``config.combined_method``); ``stats``: that token set's ``LayerStats``. Compares
+    the default with the combined method's set: H₂ percentile, entropy ranks, mean
+    pairwise CKA and compartments spanned (``set_profile``).
+    """
+    by_label = {row["label"]: row for row in rows}
+    default = set_profile(stats, by_label["eagle3_default"]["layers"])
+    best = set_profile(stats, by_label[config.combined_method]["layers"])
+    pct = by_label["eagle3_default"]["renyi2_pct"]
+    verdict = "competitive" if pct >= config.competitive_percentile else "not competitive"
+    less_informative = sum(default["entropy_ranks"]) > sum(best["entropy_ranks"])
+    more_redundant = default["mean_cka"] > best["mean_cka"]
+    return (f"the default {default['layers']} is **{verdict}** — H₂ percentile {pct:.1f} "
+            f"({config.combined_method} set {best['layers']}). Entropy ranks of its layers "
+            f"{default['entropy_ranks']} vs {best['entropy_ranks']}; mean pairwise CKA "
+            f"{default['mean_cka']:.2f} vs {best['mean_cka']:.2f}; it spans "
+            f"{default['compartments_hit']} of {default['n_compartments']} compartments "
+            f"(vs {best['compartments_hit']}). Relative to that set its layers are "
+            f"{'less' if less_informative else 'no less'} informative and "
+            f"{'more' if more_redundant else 'no more'} redundant.")

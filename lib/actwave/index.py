@@ -1,0 +1,111 @@
+"""How the notebooks hand over: what notebook 01 captures, and where later notebooks find it.
+
+Three JSON indexes in ``config.results_dir(profile)`` connect the stages; each names
+folders relative to ``config.cache_dir()``, so later notebooks open artifacts without
+re-declaring the parameters that keyed them:
+
+    01_stores.json         {model: {split: {"store": "capture/<folder>", "config": {...}}}}
+    05_candidate_sets.json {model: {label: [layer ids]}}
+    06_drafts.json         {model: {label: "drafts/<folder>/draft"}}
+
+A missing index, or one without the requested model, is an error naming the notebook that
+writes it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from actwave.config import artifact_dir, cache_dir, to_jsonable
+from actwave.models import slug
+from actwave.store import CaptureConfig, CaptureStore, store_dir
+
+STORES = "01_stores"
+CANDIDATE_SETS = "05_candidate_sets"
+DRAFTS = "06_drafts"
+WRITERS = {STORES: "01_capture", CANDIDATE_SETS: "05_layer_selection",
+           DRAFTS: "06_train_drafts"}
+
+
+def names(text: str) -> list[str]:
+    """A comma-separated parameter ("a, b,") as a list of its non-empty items."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def capture_configs(models: str, train_models: str, *, seed: int, capture_dtype: str,
+                    train_capture_dtype: str, train_source: str, regen_new_tokens: int,
+                    analysis_sequences: int, train_sequences: int, max_seq_len: int,
+                    capture_batch_size: int) -> dict[tuple[str, str], CaptureConfig]:
+    """{(model, split): CaptureConfig} notebook 01 captures, every analysis split first.
+
+    Every model gets an ``analysis`` split of original ShareGPT replies; the models of
+    ``train_models`` also get a ``train`` split (``train_source`` replies). Arguments are
+    the profile keys of the same names; no defaults, the profile is the only source.
+    """
+    model_names, trained = names(models), names(train_models)
+    unknown = [name for name in trained if name not in model_names]
+    if unknown:
+        raise ValueError(f"train_models {unknown} are not in models {model_names}")
+    common = dict(max_seq_len=max_seq_len, batch_size=capture_batch_size, seed=seed)
+    configs = {(name, "analysis"): CaptureConfig(
+        model=name, split="analysis", n_sequences=analysis_sequences, dtype=capture_dtype,
+        source="sharegpt", **common) for name in model_names}
+    # regen_new_tokens keys a store only when replies are regenerated (else it is unused).
+    regen = {"regen_new_tokens": regen_new_tokens} if train_source == "regenerated" else {}
+    configs.update({(name, "train"): CaptureConfig(
+        model=name, split="train", n_sequences=train_sequences, dtype=train_capture_dtype,
+        source=train_source, **regen, **common) for name in trained})
+    return configs
+
+
+def cache_relative(path: Path | str) -> str:
+    """A folder under ``cache_dir()`` as the relative path the indexes record."""
+    return Path(path).resolve().relative_to(cache_dir().resolve()).as_posix()
+
+
+def stores_index(configs: dict[tuple[str, str], CaptureConfig]) -> dict[str, dict]:
+    """The ``01_stores`` index of captured configs: {model: {split: {"store", "config"}}}."""
+    index: dict[str, dict] = {}
+    for (name, split), config in configs.items():
+        index.setdefault(name, {})[split] = {"store": cache_relative(store_dir(config)),
+                                             "config": to_jsonable(config)}
+    return index
+
+
+def read_index(results_dir: Path | str, name: str, models: list[str]) -> dict[str, Any]:
+    """{model: entry} of index ``name`` (see module docstring) for each of ``models``."""
+    if name not in WRITERS:
+        raise ValueError(f"unknown index {name!r}; known: {sorted(WRITERS)}")
+    path = Path(results_dir) / f"{name}.json"
+    writer = WRITERS[name]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run notebook {writer} first "
+                                f"(same profile: {Path(results_dir).name})")
+    index = json.loads(path.read_text())
+    missing = [model for model in models if model not in index]
+    if missing:
+        raise ValueError(f"{path} has nothing for {missing} (it has {sorted(index)}): run "
+                         f"notebook {writer} with these models")
+    return {model: index[model] for model in models}
+
+
+def open_stores(results_dir: Path | str, models: list[str],
+                split: str) -> dict[str, CaptureStore]:
+    """{model: the finished ``split`` store notebook 01 indexed}, in ``models`` order."""
+    entries = read_index(results_dir, STORES, models)
+    missing = [model for model, splits in entries.items() if split not in splits]
+    if missing:
+        raise ValueError(f"notebook 01 made no {split!r} store for {missing}: run 01_capture "
+                         f"with them in {'train_models' if split == 'train' else 'models'}")
+    return {model: CaptureStore(cache_dir() / splits[split]["store"])
+            for model, splits in entries.items()}
+
+
+def draft_dir(model: str, config: Any, train_store: CaptureStore,
+              eval_store: CaptureStore) -> Path:
+    """Cache folder of one draft: keyed by its ``TrainConfig``, the model and both stores."""
+    key = {"train": config, "model": model, "store": train_store.config_hash,
+           "eval_store": eval_store.config_hash}
+    layers = "-".join(str(layer) for layer in config.layer_ids)
+    return artifact_dir("drafts", key, name=f"{slug(model)}-L{layers}")

@@ -1,0 +1,170 @@
+"""One source of parameters and the stage hand-over: profiles, library config defaults,
+the indexes notebooks 01/05/06 write and later notebooks read.
+
+The committed cpu results pin the cache keys: the library must rebuild exactly the store
+and draft folders the cpu run recorded, from the cpu profile's values alone.
+"""
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from actwave import config, index
+from actwave.eagle3.train import TrainConfig
+from actwave.evaluate import EvalConfig
+from actwave.selection_report import DRAFT_SOURCES, SelectionConfig
+from actwave.store import CaptureConfig, store_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_RESULTS = ROOT / "results" / "cpu"
+CPU = yaml.safe_load((ROOT / "profiles" / "cpu.yaml").read_text())
+# profile key -> (dataclass, field): the library configs the notebooks build from a profile.
+FIELDS = {
+    CaptureConfig: {"analysis_sequences": "n_sequences", "max_seq_len": "max_seq_len",
+                    "capture_batch_size": "batch_size", "capture_dtype": "dtype",
+                    "regen_new_tokens": "regen_new_tokens", "seed": "seed"},
+    TrainConfig: {"ttt_steps": "ttt_steps", "gamma": "gamma", "lr": "lr",
+                  "warmup_steps": "warmup_steps", "train_steps": "total_steps",
+                  "batch_size": "batch_size", "train_max_seq_len": "max_seq_len",
+                  "draft_vocab_size": "draft_vocab_size", "seed": "seed",
+                  "checkpoint_every": "checkpoint_every", "train_dtype": "dtype",
+                  "lm_head_init": "lm_head_init", "eval_sequences": "eval_sequences"},
+    EvalConfig: {"dtype": "dtype", "benchmarks": "benchmarks", "n_prompts": "n_prompts",
+                 "max_turns": "max_turns", "max_new_tokens": "max_new_tokens",
+                 "max_prompt_tokens": "max_prompt_tokens", "mode": "mode", "depth": "depth",
+                 "top_k": "top_k", "total_tokens": "total_tokens", "peers": "peers",
+                 "n_bootstrap": "n_bootstrap", "seed": "seed"},
+    SelectionConfig: {"k": "k", "greedy_alpha": "greedy_alpha", "mrmr_lambda": "mrmr_lambda",
+                      "dpp_theta": "dpp_theta", "combined_method": "combined_method",
+                      "competitive_percentile": "competitive_percentile", "seed": "seed"},
+}
+
+
+def cpu_capture_configs():
+    keys = ("seed", "capture_dtype", "train_capture_dtype", "train_source", "regen_new_tokens",
+            "analysis_sequences", "train_sequences", "max_seq_len", "capture_batch_size")
+    return index.capture_configs(CPU["models"], CPU["train_models"],
+                                 **{key: CPU[key] for key in keys})
+
+
+def cpu_train_config(layers) -> TrainConfig:
+    fields = {field: CPU[key] for key, field in FIELDS[TrainConfig].items()}
+    return TrainConfig(layer_ids=tuple(layers), **fields)
+
+
+@pytest.mark.parametrize("cls", list(FIELDS), ids=lambda cls: cls.__name__)
+def test_library_defaults_are_the_cpu_profile(cls):
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING}
+    for key, field in FIELDS[cls].items():
+        expected = tuple(index.names(CPU[key])) if field == "benchmarks" else CPU[key]
+        assert defaults.get(field, expected) == expected, \
+            f"{cls.__name__}.{field} defaults to {defaults[field]!r}, cpu.yaml {key}={expected!r}"
+
+
+def test_capture_configs_rebuild_the_committed_cpu_stores(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path))
+    configs = cpu_capture_configs()
+    committed = json.loads((CPU_RESULTS / f"{index.STORES}.json").read_text())
+    assert json.loads(json.dumps(index.stores_index(configs))) == committed
+    assert list(configs) == [("smollm2-135m", "analysis"), ("gemma3-270m", "analysis"),
+                             ("smollm2-135m", "train")]
+    recorded = json.loads((CPU_RESULTS / "05_selection_config.json").read_text())["captures"]
+    assert {m: config.config_hash(c) for (m, s), c in configs.items() if s == "analysis"} \
+        == recorded
+    table = (CPU_RESULTS / "01_capture.csv").read_text()
+    for (model, split), capture in configs.items():
+        assert f"{model}-{split}-{config.config_hash(capture)}" in table
+
+
+def test_draft_dirs_rebuild_the_committed_cpu_drafts(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path))
+    stores = {split: SimpleNamespace(config_hash=config.config_hash(capture))
+              for (model, split), capture in cpu_capture_configs().items()
+              if model == "smollm2-135m"}
+    sets = json.loads((CPU_RESULTS / "05_candidate_sets.json").read_text())["smollm2-135m"]
+    drafts = json.loads((CPU_RESULTS / "06_drafts.json").read_text())["smollm2-135m"]
+    assert sorted(sets) == sorted(drafts) == sorted(DRAFT_SOURCES)
+    for label, layers in sets.items():
+        folder = index.draft_dir("smollm2-135m", cpu_train_config(layers), stores["train"],
+                                 stores["analysis"])
+        assert index.cache_relative(folder / "draft") == drafts[label]
+
+
+def test_capture_configs_need_trained_models_among_models():
+    kwargs = dict(seed=0, capture_dtype="float32", train_capture_dtype="float32",
+                  train_source="regenerated", regen_new_tokens=16, analysis_sequences=2,
+                  train_sequences=3, max_seq_len=64, capture_batch_size=1)
+    with pytest.raises(ValueError, match=r"train_models \['b'\] are not in models \['a'\]"):
+        index.capture_configs("a", "b", **kwargs)
+    configs = index.capture_configs("a, ", "a", **kwargs)
+    assert configs["a", "train"].regen_new_tokens == 16 and configs["a", "train"].n_sequences == 3
+    assert configs["a", "analysis"].source == "sharegpt"
+    assert configs["a", "analysis"].regen_new_tokens == CaptureConfig.regen_new_tokens
+
+
+def test_candidate_sets_take_the_combined_method():
+    unfiltered = {"eagle3_default": (2, 15, 27), "first_k": (1, 2, 3), "renyi2_exhaustive": (2, 28, 29),
+                  "logdet_dpp": (5, 6, 7)}
+    filtered = {"renyi2_exhaustive": (11, 28, 29), "logdet_dpp": (8, 9, 10),
+                "entropy_topk": (26, 27, 29), "cka_farthest": (1, 3, 30)}
+    sets = SelectionConfig().candidate_sets(unfiltered, filtered)
+    assert sets["entropy_cka_filtered"] == [11, 28, 29] and sets["cka_only"] == [1, 3, 30]
+    other = SelectionConfig(combined_method="logdet_dpp").candidate_sets(unfiltered, filtered)
+    assert other["entropy_cka_unfiltered"] == [5, 6, 7]
+    assert other["entropy_cka_filtered"] == [8, 9, 10]
+    assert other["control_adjacent_early"] == [1, 2, 3]
+
+
+def test_stores_index_round_trip_opens_the_indexed_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
+    capture = CaptureConfig(model="smollm2-135m", split="analysis", n_sequences=2)
+    folder = store_dir(capture)
+    config.atomic_write_json(folder / "manifest.json", {"complete": True, "shards": [],
+                                                         "config": config.to_jsonable(capture)})
+    results = tmp_path / "results" / "p"
+    built = index.stores_index({("smollm2-135m", "analysis"): capture})
+    assert built["smollm2-135m"]["analysis"]["store"] == f"capture/{folder.name}"
+    config.atomic_write_json(results / f"{index.STORES}.json", built)
+    assert index.open_stores(results, ["smollm2-135m"], "analysis")["smollm2-135m"].path == folder
+    with pytest.raises(ValueError, match=r"no 'train' store for \['smollm2-135m'\].*train_models"):
+        index.open_stores(results, ["smollm2-135m"], "train")
+    with pytest.raises(ValueError, match=r"nothing for \['z'\].*run notebook 01_capture"):
+        index.open_stores(results, ["z"], "analysis")
+
+
+def test_missing_index_names_the_notebook_to_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"06_drafts.json not found: run notebook "
+                                                r"06_train_drafts first \(same profile: p\)"):
+        index.read_index(tmp_path / "p", index.DRAFTS, ["m"])
+    with pytest.raises(ValueError, match=r"unknown index 'x'"):
+        index.read_index(tmp_path, "x", ["m"])
+
+
+def test_results_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("ACTWAVE_RESULTS", raising=False)
+    assert config.results_dir("cpu") == ROOT / "results" / "cpu"
+    monkeypatch.setenv("ACTWAVE_RESULTS", str(tmp_path))
+    assert config.results_dir("smoke") == tmp_path / "smoke"
+    with pytest.raises(ValueError, match=r"plain name.*'\.\./x'"):
+        config.results_dir("../x")
+
+
+def test_explain_default_compares_with_the_combined_method():
+    from test_selection import random_stats
+
+    from actwave.selection_report import compare_methods, explain_default
+
+    stats = random_stats(12, seed=6)
+    rows = compare_methods(stats, {"eagle3_default": ("eagle3_default", {}),
+                                   "entropy_topk": ("entropy_topk", {})})
+    topk = next(row["layers"] for row in rows if row["label"] == "entropy_topk")
+    strict = SelectionConfig(combined_method="entropy_topk", competitive_percentile=100.5)
+    text = explain_default(stats, rows, strict)
+    assert text.startswith("the default (2, 6, 9) is **not competitive**")
+    assert f"(entropy_topk set {tuple(sorted(topk))})" in text
+    lenient = SelectionConfig(combined_method="entropy_topk", competitive_percentile=0.0)
+    assert "is **competitive**" in explain_default(stats, rows, lenient)
