@@ -1,4 +1,4 @@
-"""Every numbered notebook runs end to end with the smoke profile, in order, via papermill:
+"""The smoke profile's notebooks (its `notebooks` key) run end to end, in order, via papermill:
 on the bundled SmolLM2, and on a model given as a local folder (what `--model PATH` does).
 
 Each run writes into fresh temporary results and figures folders ($ACTWAVE_RESULTS,
@@ -13,8 +13,11 @@ import pytest
 import torch
 import yaml
 
+from actwave.runplan import select_notebooks
+
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+SMOKE = yaml.safe_load((ROOT / "profiles" / "smoke.yaml").read_text())
+NOTEBOOKS = select_notebooks(SMOKE)  # the smoke profile's notebooks, as reproduce.sh runs them
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +27,7 @@ def smoke_env(tmp_path_factory):
         patch.setenv("ACTWAVE_FIGURES", str(figures))
         patch.setenv("ACTWAVE_RESULTS", str(results))
         yield {"figures": figures, "results": results,
-               "params": yaml.safe_load((ROOT / "profiles" / "smoke.yaml").read_text())}
+               "params": {k: v for k, v in SMOKE.items() if k != "notebooks"}}
 
 
 def run_notebook(source: Path, params: dict, results: Path, tmp_path: Path) -> None:
@@ -66,8 +69,8 @@ def test_notebook_runs_with_smoke_profile(source, smoke_env, tmp_path):
 @pytest.mark.notebook
 @pytest.mark.real_model
 def test_pipeline_runs_on_a_local_model_folder(smollm2, smoke_env, tmp_path):
-    """A tiny random Llama saved to a folder (N=8, SmolLM2's tokenizer) through all seven
-    notebooks: figure, table and cache names must come from models.slug, not the path."""
+    """A tiny random Llama saved to a folder (N=8, SmolLM2's tokenizer) through the smoke
+    profile's notebooks: figure, table and cache names must come from models.slug, not the path."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = smollm2[1]
