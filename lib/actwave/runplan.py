@@ -210,7 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("papermill").addFilter(_HideCellMarkers())
-    run_notebook(args.notebook.resolve(), args.profile, profile, args.model)
+    # Notebooks run in notebooks/: a model folder given relative to the caller is resolved.
+    model = str(Path(args.model).resolve()) if args.model and Path(args.model).is_dir() \
+        else args.model
+    run_notebook(args.notebook.resolve(), args.profile, profile, model)
     return 0
 
 
