@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 from jupyter_client import KernelManager
 
-from actwave.config import repo_root
+from actwave.config import repo_root, results_dir
 
 PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 PARAMETERS_MARKER = '# %% tags=["parameters"]\n'
@@ -157,14 +157,15 @@ def files_written(folders: list[Path], since: float) -> list[Path]:
 
 
 def run_notebook(source: Path, profile_name: str, profile: dict, model: str = "") -> Path:
-    """Execute ``source`` (a jupytext .py) into results/<profile>/<stem>.ipynb; print the
+    """Execute ``source`` (a jupytext .py) into the profile's results folder
+    (:func:`actwave.config.results_dir`) as ``<stem>.ipynb``; print the
     tables and figures it wrote. Returns the executed notebook's path."""
     import jupytext
     import papermill
 
     from actwave.plots import default_figures_dir
 
-    out_dir = repo_root() / "results" / profile_name
+    out_dir = results_dir(profile_name)
     executed, start = out_dir / f"{source.stem}.ipynb", time.time()
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
