@@ -86,8 +86,11 @@ def test_select_rerun_reads_the_cache_and_other_k(model_folder, tmp_path, monkey
     run(model_folder, tmp_path)  # makes the cache if the test above did not run
     capsys.readouterr()
     monkeypatch.setattr("actwave.store.load", lambda *a, **k: pytest.fail("model reloaded"))
-    result = run(model_folder, tmp_path, "--k", "2", "--engine", "vllm>=pr36063")
+    result = run(model_folder, tmp_path, "--k", "2", "--engine", "vllm>=pr36063",
+                 "--method", "mrmr")
     assert "eagle3_default" not in result["picks"]  # EAGLE-3's default exists for k = 3 only
+    labels = [row["label"] for row in result["token_sets"]["all tokens"]["methods"]]
+    assert sorted(labels) == ["mrmr", "renyi2_exhaustive"]  # the recommended one always runs
     assert len(result["picks"]["recommended"]["layers"]) == 2 and result["n_subsets"] == 28
     assert list(result["engine_ids"]["recommended"]) == ["vllm>=pr36063"]
     assert "D eagle3_default" not in capsys.readouterr().out

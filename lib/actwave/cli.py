@@ -22,6 +22,7 @@ import torch
 from actwave import analysis, selection_report
 from actwave.config import atomic_write_json
 from actwave.eagle3.export import ENGINES, engine_layer_ids
+from actwave.selection import METHODS
 from actwave.store import CaptureConfig, run_capture
 
 COLUMNS = (("renyi2", "H2 nats", "{:.4f}"), ("renyi2_pct", "H2 pct", "{:.1f}"),
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep tokens whose predictive entropy is ≥ this quantile")
     select.add_argument("--max-tokens", type=int, default=0,
                         help="subsample the kept tokens to this many (0 = all)")
+    select.add_argument("--method", action="append", choices=sorted(METHODS),
+                        help="selection method(s) to run (repeatable; default: all). The "
+                             "recommended method and the EAGLE-3 default always run; "
+                             "greedy_aggregate_entropy dominates the cost on deep or wide models")
     select.add_argument("--engine", action="append", choices=sorted(ENGINES),
                         help="engine(s) to print ids for (repeatable; default: all)")
     select.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -73,7 +78,7 @@ def run_select(args: argparse.Namespace) -> dict:
     settings = analysis.token_settings(args.filter_quantile, max_tokens=args.max_tokens or None,
                                        seed=args.seed, matmul_dtype=args.matmul_dtype)
     config = selection_report.SelectionConfig(k=args.k, seed=args.seed)
-    methods = _methods(config, num_layers)
+    methods = _methods(config, num_layers, args.method)
     token_sets = {label: _token_set(store, setting, methods, args)
                   for label, setting in settings.items()}
     filtered = list(settings)[1]
@@ -90,12 +95,14 @@ def run_select(args: argparse.Namespace) -> dict:
             "seconds": time.perf_counter() - tic}
 
 
-def _methods(config: selection_report.SelectionConfig, num_layers: int) -> dict:
-    """Every method; EAGLE-3's default only where it exists (k = 3, N ≥ 7)."""
-    methods = config.methods()
+def _methods(config: selection_report.SelectionConfig, num_layers: int,
+             chosen: list[str] | None) -> dict:
+    """The ``chosen`` methods (None: all) plus the recommended one and EAGLE-3's default,
+    the latter only where it exists (k = 3, N ≥ 7)."""
+    keep = set(chosen or METHODS) | {config.combined_method, "eagle3_default"}
     if config.k != 3 or num_layers < 7:
-        methods.pop("eagle3_default")
-    return methods
+        keep.discard("eagle3_default")
+    return {label: spec for label, spec in config.methods().items() if label in keep}
 
 
 def _token_set(store, config: analysis.AnalysisConfig, methods: dict, args) -> dict:
