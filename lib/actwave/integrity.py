@@ -208,7 +208,16 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """A killed process its parent has not reaped yet: dead, though ``kill(pid, 0)`` works."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # no procfs (macOS): trust kill()
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 class LockedError(RuntimeError):
