@@ -150,7 +150,8 @@ def test_speculators_config_and_names(llama, tmp_path):
     assert record["speculators_model_type"] == "eagle3"
     assert record["eagle_aux_hidden_state_layer_ids"] == list(VLLM_LAYER_IDS)  # vLLM: ℓ as given
     assert record["norm_before_residual"] is False  # vLLM defaults to True when absent
-    assert record["draft_vocab_size"] == 40 and record["transformer_layer_config"]["vocab_size"] == 128
+    assert record["draft_vocab_size"] == 40
+    assert record["transformer_layer_config"]["vocab_size"] == 128
     assert record["speculators_config"]["verifier"]["name_or_path"] == "org/target"
     block = record["actwave"]
     assert "hidden_states[ℓ]" in block["layer_id_convention"]

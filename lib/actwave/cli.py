@@ -2,13 +2,14 @@
 
 ``select`` runs the pipeline of notebooks 01–05 for one model: the analysis capture
 (``actwave.store``), the layer statistics for all tokens and for the top-entropy tokens
-(``actwave.analysis``) and every selection method (``actwave.selection_report``); all three
-are cached under the same keys the notebooks use. The defaults are the ``cpu`` profile's
-values (``CPU_PROFILE_KEYS``), so after ``./reproduce.sh`` the command on a bundled model
-reads notebooks 01–05's caches, and a rerun reads its own. It prints each method's set with its scores and
-percentiles next to the EAGLE-3 default's, and the ``eagle_aux_hidden_state_layer_ids``
-each serving engine needs (``actwave.eagle3.export.ENGINES``). Methods and percentiles:
-docs/METHODS.md §10; engine rules: §15.
+(``actwave.analysis``) and every selection method (``actwave.selection_report``). The
+capture and the statistics are cached under the keys the notebooks use; the defaults are
+the ``cpu`` profile's values (``CPU_PROFILE_KEYS``), so after ``./reproduce.sh`` the
+command on a bundled model reads notebooks 01–05's caches, and a rerun reads its own. It
+prints each method's set with its scores and percentiles next to the EAGLE-3 default's,
+and the ``eagle_aux_hidden_state_layer_ids`` each serving engine needs
+(``actwave.eagle3.export.ENGINES``). Methods and percentiles: docs/METHODS.md §10;
+engine rules: §15.
 """
 from __future__ import annotations
 
@@ -148,9 +149,10 @@ def format_report(result: dict) -> str:
 def _method_table(label: str, token_set: dict, result: dict) -> list[str]:
     marks = {result["recommended_method"]: "*", "eagle3_default": "D"}
     head = f"  {'method':<26}{'layers':<16}" + "".join(f"{t:>15}" for _, t, _ in COLUMNS)
+    legend = ("  (* recommended, D EAGLE-3 default)"
+              if label == result["recommended_token_set"] else "")
     lines = [f"token set '{label}': {token_set['n_tokens']:,} of {token_set['n_seen']:,} "
-             f"tokens{'  (* recommended, D EAGLE-3 default)' if label == result['recommended_token_set'] else ''}",
-             head]
+             f"tokens{legend}", head]
     for row in sorted(token_set["methods"], key=lambda r: -r["renyi2"]):
         mark = marks.get(row["label"], " ")
         cells = "".join(f"{fmt.format(row[key]):>15}" for key, _, fmt in COLUMNS)

@@ -198,7 +198,8 @@ def engine_layer_ids(layer_ids, num_layers: int, engine: str) -> list[int]:
 def _check_reach(rule: Engine, layers: tuple[int, ...], num_layers: int) -> None:
     """Refuse layers outside the engine's reach, or the wrong number of them."""
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"the target's number of layers N must be an int ≥ 1, got {num_layers!r}")
+        raise ValueError(f"the target's number of layers N must be an int ≥ 1, "
+                         f"got {num_layers!r}")
     top = num_layers - rule.highest
     outside = [v for v in layers if not rule.lowest <= v <= top]
     if outside:
