@@ -6,9 +6,9 @@
 Each ratio compares two routes measured side by side in the same benchmark run (never a
 number from another machine or day). ``--size quick`` (~5 min on 2 cores) shrinks every
 benchmark to a smoke size; ``full`` (the default) uses the sizes the README quotes.
-Trained drafts for the speculative benchmark are taken from notebook 06's manifest
-(``--drafts``) when their folders exist in the cache; otherwise random drafts stand in and
-the summary says so. The table is printed and written to ``<out>/summary.{csv,md}`` with
+The trained draft for the speculative and round benchmarks is ``--draft`` (a folder), else
+notebook 06's EAGLE-3-default draft from its manifest (``--drafts``) when its folder exists
+in the cache; otherwise a random draft stands in and the summary says so. The table is printed and written to ``<out>/summary.{csv,md}`` with
 the machine and package versions in ``<out>/summary.json``.
 """
 from __future__ import annotations
@@ -41,7 +41,8 @@ SIZES = {
         "regenerate": ["--n-batched", "16", "--n-single", "4", "--max-new-tokens", "64",
                        "--dtype", FAST_DTYPE],
         "train": ["--steps", "3", "--dtypes", FAST_DTYPE],
-        "speculative": ["--n-prompts", "3", "--max-new-tokens", "128", "--bf16-prompts", "0"],
+        "round": ["--n-prompts", "2", "--max-new-tokens", "64"],
+        "speculative": ["--n-prompts", "5", "--max-new-tokens", "128"],
     },
     "quick": {
         "capture": ["--batches", "2", "--seq-len", "128"],
@@ -50,33 +51,28 @@ SIZES = {
         "regenerate": ["--n-batched", "4", "--n-single", "2", "--max-new-tokens", "16",
                        "--dtype", FAST_DTYPE],
         "train": ["--steps", "1", "--seq-len", "128", "--dtypes", FAST_DTYPE],
-        "speculative": ["--n-prompts", "1", "--max-new-tokens", "32", "--bf16-prompts", "0",
-                        "--total-tokens", "16", "--depth", "4", "--top-k", "4"],
+        "round": ["--n-prompts", "1", "--max-new-tokens", "16", "--repeats", "2"],
+        "speculative": ["--n-prompts", "1", "--max-new-tokens", "32", "--acceptance-prompts", "1"],
     },
 }
 BENCHMARKS = tuple(SIZES["full"])
 
 
 def draft_arguments(manifest: Path, model: str = "smollm2-135m") -> list[str]:
-    """--default-draft/--best-draft from notebook 06's manifest, if those drafts exist."""
+    """--draft: notebook 06's EAGLE-3-default draft from its manifest, if it exists."""
     if not manifest.exists():
         return []
-    folders = json.loads(manifest.read_text()).get(model, {})
-    arguments = []
-    for flag, label in (("--default-draft", "eagle3_default"),
-                        ("--best-draft", "entropy_cka_filtered")):
-        if label in folders and (cache_dir() / folders[label]).is_dir():
-            arguments += [flag, folders[label]]
-    return arguments
+    folder = json.loads(manifest.read_text()).get(model, {}).get("eagle3_default")
+    return ["--draft", folder] if folder and (cache_dir() / folder).is_dir() else []
 
 
-def run_benchmarks(size: str, names: list[str], drafts: Path) -> pd.DataFrame:
+def run_benchmarks(size: str, names: list[str], drafts: list[str]) -> pd.DataFrame:
     """Run each named benchmark in turn; one row per ratio, with its wall time."""
     rows = []
     for name in names:
         argv = list(SIZES[size][name])
-        if name == "speculative":
-            argv += draft_arguments(drafts)
+        if name in ("speculative", "round"):
+            argv += drafts
         print(f"\n===== bench_{name} {' '.join(argv)}", flush=True)
         tic = time.perf_counter()
         results = importlib.import_module(f"bench_{name}").main(argv)
@@ -102,13 +98,15 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--only", default=",".join(BENCHMARKS),
                         help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     parser.add_argument("--drafts", type=Path, default=repo_root() / "results/cpu/06_drafts.json")
+    parser.add_argument("--draft", help="trained draft folder for speculative/round (overrides --drafts)")
     parser.add_argument("--out", type=Path, default=repo_root() / "results/benchmarks")
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(names) - set(BENCHMARKS))
     if unknown or not names:
         parser.error(f"unknown benchmark(s) {unknown or names}; choose from {BENCHMARKS}")
-    table = run_benchmarks(args.size, names, args.drafts)
+    drafts = ["--draft", args.draft] if args.draft else draft_arguments(args.drafts)
+    table = run_benchmarks(args.size, names, drafts)
     write_summary(table, args.out, args.size)
     print(f"\n===== summary ({args.size}; ratios of routes measured side by side)")
     print(table.to_string(index=False, float_format="%.3f"))

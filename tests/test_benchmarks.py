@@ -43,5 +43,26 @@ def test_drafts_come_from_the_notebook_manifest_only_when_present(run_all, tmp_p
     manifest = tmp_path / "06_drafts.json"
     manifest.write_text(json.dumps({"smollm2-135m": {"eagle3_default": "drafts/a",
                                                      "entropy_cka_filtered": "drafts/gone"}}))
-    assert run_all.draft_arguments(manifest) == ["--default-draft", "drafts/a"]
+    assert run_all.draft_arguments(manifest) == ["--draft", "drafts/a"]
+    manifest.write_text(json.dumps({"smollm2-135m": {"eagle3_default": "drafts/gone"}}))
+    assert run_all.draft_arguments(manifest) == []
     assert run_all.draft_arguments(tmp_path / "missing.json") == []
+
+
+def test_speculative_summary_rows_mark_random_drafts_and_report_shapes(monkeypatch):
+    import pandas as pd
+
+    from actwave.tree import TreeShape
+    monkeypatch.syspath_prepend(str(repo_root() / "benchmarks"))
+    bench = importlib.import_module("bench_speculative")
+    table = pd.DataFrame({"method": ["greedy", "hf_prompt_lookup", "spec_fixed", "spec_auto"],
+                          "speedup": [1.0, 0.8, 0.5, 0.7], "tau": [float("nan")] * 2 + [1.25, 1.4],
+                          "exact_match_rate": [1.0] * 4, "n_prompts": [10] * 4})
+    table["speedup_per_tau"] = table.speedup / table.tau
+    shape = TreeShape("chain", 3, 1, 4, 2.1, 0.2, 1.05)
+    info = {"shape": shape, "fixed": dict(mode="tree", depth=4, top_k=4, total_tokens=16)}
+    rows = bench.summary_rows(table, info, trained=False)
+    assert [r["ratio"] for r in rows] == [0.8, 0.5, 0.7]
+    assert rows[0]["measure"].endswith("(fp32)") and "RANDOM" in rows[2]["measure"]
+    assert "speedup/tau 0.40" in rows[1]["detail"] and "tree 4/4/16" in rows[1]["detail"]
+    assert "auto: chain 3/1/4, predicted 1.05x" in rows[2]["detail"]

@@ -60,3 +60,16 @@ def test_costs_are_measured_once_and_cached(llama, tmp_path, monkeypatch):
     again = costmodel.load_or_measure(llama, draft, context=12, max_tokens=5, max_width=2, repeats=1)
     assert again == curve
     assert len(list(tmp_path.glob("costmodel/*/curve.json"))) == 1
+
+
+def test_held_out_acceptance_of_a_random_draft(llama):
+    """Reach probabilities lie in [0, 1], fall with depth and grow with top-k."""
+    from test_speculative import prompt, random_draft
+    ids = prompt(seed=4)
+    texts = costmodel.greedy_texts(llama, [ids], max_new_tokens=12)
+    assert len(texts[0][0]) == ids.shape[1] + 12 and texts[0][1] == ids.shape[1]
+    reach = costmodel.held_out_acceptance(llama, random_draft(llama), texts, depth=3, top_ks=(1, 4))
+    for k in (1, 4):
+        assert len(reach[k]) == 3 and all(0 <= x <= 1 for x in reach[k])
+        assert reach[k] == sorted(reach[k], reverse=True)
+    assert all(a <= b for a, b in zip(reach[1], reach[4]))

@@ -24,6 +24,8 @@ from transformers import DynamicCache
 from actwave.acceptance import sequence_acceptance
 from actwave.capture import forward_with_states
 from actwave.config import artifact_dir, atomic_write_json
+from actwave.data import prompt_ids
+from actwave.evaluate import benchmark_prompts
 from actwave.models import slug
 from actwave.speculative import accept_round, greedy_generate, synchronize, verify_forward
 from actwave.tree import DraftTree, TreeShape, build_tree, choose_shape, rank_acceptance
@@ -194,28 +196,57 @@ def auto_shape(target, draft, acceptance, costs: CostCurve | None = None) -> Tre
                         max_top_k=len(costs.level_seconds))
 
 
-@torch.no_grad()
-def held_out_acceptance(target, draft, prompts: list[torch.Tensor], max_new_tokens: int = 64,
-                        depth: int = 8, top_ks=(1, 2, 4, 8), eos_token_ids=()) -> dict[int, list[float]]:
-    """The draft's reach probabilities on the target's greedy replies to ``prompts``.
+def held_out_prompts(tokenizer, n: int, skip: int = 0, max_tokens: int = 384) -> list[torch.Tensor]:
+    """(1, T) ids of held-out ShareGPT first turns (eval split) of at most ``max_tokens``
+    tokens, after the first ``skip`` (those an evaluation of the same split uses)."""
+    items = benchmark_prompts("sharegpt", skip + 4 * n)[skip:]
+    ids = [prompt_ids(tokenizer, [{"role": "user", "content": item["turns"][0]}]) for item in items]
+    return [torch.tensor([x]) for x in ids if len(x) <= max_tokens][:n]
 
-    prompts: (1, T) id tensors (held-out, not seen in training). Every reply position is a
-    round root (``actwave.acceptance``, exact on greedy text); -> {top_k: [P(the first d
-    draft tokens are all accepted) for d = 1..depth]}, the input of ``auto_shape``.
+
+@torch.no_grad()
+def greedy_texts(target, prompts: list[torch.Tensor], max_new_tokens: int = 64,
+                 eos_token_ids=()) -> list[tuple[torch.Tensor, int]]:
+    """[(prompt + the target's greedy reply (L,), index of the reply's first token)]."""
+    texts = []
+    for ids in prompts:
+        reply = greedy_generate(target, ids, max_new_tokens, eos_token_ids).tokens
+        texts.append((torch.cat([ids[0], torch.tensor(reply, device=ids.device)]), ids.shape[1]))
+    return texts
+
+
+@torch.no_grad()
+def held_out_acceptance(target, draft, texts: list[tuple[torch.Tensor, int]], depth: int = 8,
+                        top_ks=(1, 2, 4, 8)) -> dict[int, list[float]]:
+    """The draft's reach probabilities on greedy replies (``greedy_texts`` of held-out prompts).
+
+    Every reply position is a round root (``actwave.acceptance``, exact on greedy text);
+    -> {top_k: [P(the first d draft tokens are all accepted) for d = 1..depth]}, the
+    input of ``auto_shape``.
     """
     reached = {k: torch.zeros(depth) for k in top_ks}
     roots = 0
-    for ids in prompts:
-        reply = greedy_generate(target, ids, max_new_tokens, eos_token_ids).tokens
-        text = torch.cat([ids[0], torch.tensor(reply, device=ids.device)])
+    for text, reply_start in texts:
         logits, states, _ = forward_with_states(target, draft.layer_ids, text[None])
-        in_reply = torch.arange(len(text), device=ids.device) >= ids.shape[1]
+        in_reply = torch.arange(len(text), device=text.device) >= reply_start
         for k in top_ks:
             result = sequence_acceptance(draft, states[0], text, logits[0].argmax(-1), in_reply,
                                          depth, top_k=k)
-            reached[k] += result.reached.float()
+            reached[k] += result.reached.float().cpu()
         roots += result.n_roots
     if roots == 0:
-        raise ValueError("no round roots in the replies: give longer prompts' replies "
-                         f"(max_new_tokens={max_new_tokens}) or more prompts")
+        raise ValueError(f"no round roots in {len(texts)} held-out replies: need replies of >= 2 tokens")
     return {k: (values / roots).tolist() for k, values in reached.items()}
+
+
+def shared_shape(target, tokenizer, drafts: dict, eos_token_ids=(), n_prompts: int = 4,
+                 skip: int = 0) -> TreeShape:
+    """One auto tree for several drafts of ``target`` (a fair comparison of layer sets):
+    their mean held-out acceptance on ``n_prompts`` ShareGPT eval first turns after the
+    first ``skip``, and this machine's cost curve."""
+    device = target.get_input_embeddings().weight.device
+    prompts = [p.to(device) for p in held_out_prompts(tokenizer, n_prompts, skip)]
+    texts = greedy_texts(target, prompts, eos_token_ids=eos_token_ids)
+    reaches = [held_out_acceptance(target, draft, texts) for draft in drafts.values()]
+    mean = {k: torch.tensor([r[k] for r in reaches]).mean(0).tolist() for k in reaches[0]}
+    return auto_shape(target, next(iter(drafts.values())), mean)
