@@ -41,6 +41,7 @@ mode = "tree"
 depth = 4
 top_k = 4
 total_tokens = 16
+tree = "fixed"  # "auto": mode/depth/top_k/total_tokens from this machine's cost curve + held-out acceptance
 peers = True
 n_bootstrap = 1000
 seed = 0
@@ -52,7 +53,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from actwave import evaluate, index, plots
+from actwave import costmodel, evaluate, index, plots
 from actwave import models as model_zoo
 from actwave.config import results_dir as profile_results
 
@@ -79,8 +80,11 @@ for name in model_names:
     target, tokenizer = model_zoo.load(name, dtype=getattr(torch, dtype), device=device)
     drafts = evaluate.load_drafts(target, draft_dirs[name])
     layer_sets[name] = {label: tuple(draft.layer_ids) for label, draft in drafts.items()}
+    shape = (costmodel.shared_shape(target, tokenizer, drafts, model_zoo.stop_token_ids(tokenizer, name),
+                                    skip=n_prompts).settings() if tree == "auto" else {})
+    print(name, "tree:", shape or "fixed")
     runs[name] = evaluate.evaluate(
-        target, tokenizer, drafts, evaluate.EvalConfig(**{**vars(config), "model": name}),
+        target, tokenizer, drafts, evaluate.EvalConfig(**{**vars(config), "model": name, **shape}),
         model_zoo.stop_token_ids(tokenizer, name), out_dir=results_dir, run_name=f"{NOTEBOOK}_records_{model_zoo.slug(name)}")
     del target, drafts
 
