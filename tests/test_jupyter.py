@@ -90,6 +90,7 @@ def lab(captured):
          f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT}",
          f"--LabApp.app_settings_dir={ROOT / 'jupyter' / 'lab-settings'}",
          "--KernelManager.transport_encryption=required", "--LabApp.expose_app_in_browser=True",
+         f"--FileCheckpoints.checkpoint_dir={work / 'checkpoints'}",  # not in notebooks/
          "--allow-root"],
         env=env, stdout=subprocess.DEVNULL, stderr=open(work / "server.log", "w"))
     url = f"http://127.0.0.1:{port}"
