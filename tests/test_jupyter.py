@@ -85,6 +85,7 @@ def lab(captured):
            "JUPYTERLAB_SETTINGS_DIR": str(work / "user-settings"),
            "JUPYTERLAB_WORKSPACES_DIR": str(work / "workspaces")}
     env.pop("MPLBACKEND", None)  # inline figures, as in ./reproduce.sh lab
+    log = open(work / "server.log", "w")
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1",
          f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT}",
@@ -92,7 +93,7 @@ def lab(captured):
          "--KernelManager.transport_encryption=required", "--LabApp.expose_app_in_browser=True",
          f"--FileCheckpoints.checkpoint_dir={work / 'checkpoints'}",  # not in notebooks/
          "--allow-root"],
-        env=env, stdout=subprocess.DEVNULL, stderr=open(work / "server.log", "w"))
+        env=env, stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
 
     def up() -> dict:
@@ -106,6 +107,7 @@ def lab(captured):
     finally:
         server.terminate()
         server.wait(timeout=30)
+        log.close()
 
 
 def _api(url: str, token: str, method: str, path: str, body: dict | None = None) -> dict:
