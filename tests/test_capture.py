@@ -93,3 +93,23 @@ def test_target_logits_on_a_vocabulary_subset(any_tiny_model):
     full = capture.target_logits(any_tiny_model, states[-1])
     torch.testing.assert_close(capture.target_logits(any_tiny_model, states[-1], vocab_ids),
                                full[..., vocab_ids])
+
+
+def test_valid_states_equal_stacked_gathered_then_converted(any_tiny_model):
+    input_ids = torch.randint(0, 128, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 6:] = 0
+    stacked = capture.hidden_states(any_tiny_model, input_ids, mask)[:, mask.bool()]
+    states, last = capture.valid_states(any_tiny_model, input_ids, mask, torch.bfloat16)
+    assert states.shape == (5, 16, 64) and states.dtype == torch.bfloat16
+    assert torch.equal(states, stacked.to(torch.bfloat16))  # bit-identical stored values
+    assert torch.equal(last, stacked[-1])
+
+
+def test_forward_with_states_embedding_layer_and_kept_logits(any_tiny_model):
+    input_ids = torch.randint(0, 128, (1, 7))
+    states = capture.hidden_states(any_tiny_model, input_ids)
+    logits, chosen, _ = capture.forward_with_states(any_tiny_model, (0, 2), input_ids,
+                                                    logits_to_keep=1)
+    torch.testing.assert_close(chosen, torch.cat([states[0], states[2]], -1))
+    torch.testing.assert_close(logits, any_tiny_model(input_ids).logits[:, -1:])

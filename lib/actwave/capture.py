@@ -67,6 +67,26 @@ def hidden_states(model, input_ids: torch.Tensor,
     return _stack_states(outputs, last)
 
 
+@torch.no_grad()
+def valid_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """All N+1 states of the unmasked tokens of a padded batch, for a capture store.
+
+    input_ids, attention_mask: (B, T) -> (states (N+1, n, D) in ``dtype``, ℓ=N states
+    (n, D) in the compute dtype), tokens in row-major (sequence, position) order. Each
+    layer's valid rows go straight into one preallocated tensor: no stacked compute-dtype
+    copy of every state (the same values as stacking, gathering, then converting).
+    """
+    outputs, last = _decoder_forward(model, input_ids, attention_mask=attention_mask)
+    by_layer = list(outputs.hidden_states[:-1]) + [last]
+    valid = attention_mask.bool()
+    out = torch.empty(len(by_layer), int(valid.sum()), last.shape[-1], dtype=dtype,
+                      device=last.device)
+    for layer, state in enumerate(by_layer):
+        out[layer] = state[valid]
+    return out, last[valid]
+
+
 def target_logits(model, last_prenorm: torch.Tensor,
                   vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The target's logits from its ℓ=N state: (..., D) -> (..., V), or (..., len(vocab_ids)).

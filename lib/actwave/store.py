@@ -42,7 +42,7 @@ from safetensors.torch import save as save_tensors
 from tqdm import tqdm
 
 from actwave import data as data_mod
-from actwave.capture import entropy_and_argmax, hidden_states, validate_layers
+from actwave.capture import entropy_and_argmax, validate_layers, valid_states
 from actwave.config import (artifact_dir, atomic_write_bytes, atomic_write_json, config_hash,
                             package_versions, to_jsonable)
 from actwave.integrity import (IntegrityError, WriterLock, bytes_record, check_size,
@@ -145,14 +145,13 @@ def capture_batch(model, sequences: list[dict], first_index: int, special_ids: s
     """Run one padded batch; -> shard columns for its valid tokens (see module docstring)."""
     device = next(model.parameters()).device
     input_ids, mask = _pad_batch(sequences, pad_id)
-    states = hidden_states(model, input_ids.to(device), mask.to(device))  # (N+1, B, T, D)
-    valid = mask.bool().to(device)
-    hidden = states[:, valid]  # (N+1, n, D), tokens in row-major (sequence, position) order
-    entropy, argmax = entropy_and_argmax(model, hidden[-1])
+    hidden, last = valid_states(model, input_ids.to(device), mask.to(device),
+                                storage_dtype)  # (N+1, n, D), (n, D)
+    entropy, argmax = entropy_and_argmax(model, last)
     ids = input_ids[mask.bool()]
     lengths = mask.sum(1)
     return {
-        "hidden": hidden.to(storage_dtype).cpu(),
+        "hidden": hidden.cpu(),
         "input_ids": ids,
         "entropy": entropy.float().cpu(),
         "argmax": argmax.cpu(),
