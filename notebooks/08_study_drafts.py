@@ -60,7 +60,7 @@ n_seeds = 3
 extra_k = "2,4"
 extra_k_models = "smollm2-135m"
 curve_factor = 4
-max_drafts = 0  # 0 = every (set, seed); the smoke profile trains only the first few
+max_drafts = 0  # 0 trains every draft
 
 # %%
 import logging
@@ -70,7 +70,7 @@ from tqdm import tqdm
 
 from actwave import analysis, study
 from actwave import models as model_zoo
-from actwave.config import cache_dir, repo_root
+from actwave.config import cache_dir, results_dir as results_dir_of
 from actwave.plots import save_json, save_table
 from actwave.store import DTYPES, analysis_captures, run_capture
 
@@ -78,7 +78,7 @@ logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)
 NOTEBOOK = "08_study_drafts"
 model_names = [m.strip() for m in models.split(",") if m.strip()]
-results_dir = repo_root() / "results" / profile
+results_dir = results_dir_of(profile)
 settings = dict(zip(study.SETTINGS, analysis.token_settings(
     filter_quantile, seed=seed, matmul_dtype=stats_matmul_dtype).values()))
 configs = {name: study.StudyConfig(

@@ -41,14 +41,14 @@ import pandas as pd
 
 from actwave import evaluate, plots, study, study_report
 from actwave import models as model_zoo
-from actwave.config import cache_dir, repo_root
+from actwave.config import cache_dir, results_dir as results_dir_of
 from actwave.store import CaptureStore, DTYPES
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)
 NOTEBOOK = "09_study_decoding"
 model_names = [m.strip() for m in models.split(",") if m.strip()]
-results_dir = repo_root() / "results" / profile
+results_dir = results_dir_of(profile)
 stores_index = json.loads((results_dir / study.STORES_INDEX).read_text())
 plots.setup_style()
 

@@ -37,11 +37,11 @@ import pandas as pd
 
 from actwave import plots, study, study_report
 from actwave import models as model_zoo
-from actwave.config import repo_root
+from actwave.config import results_dir as results_dir_of
 
 NOTEBOOK = "10_study_report"
 model_names = [m.strip() for m in models.split(",") if m.strip()]
-results_dir = repo_root() / "results" / profile
+results_dir = results_dir_of(profile)
 plots.setup_style()
 records = {name: study.load_records(results_dir / model_zoo.slug(name)) for name in model_names}
 sets = {name: pd.read_csv(results_dir / f"08_sets_{model_zoo.slug(name)}.csv")

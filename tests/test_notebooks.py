@@ -89,3 +89,36 @@ def test_pipeline_runs_on_a_local_model_folder(smollm2, smoke_env, tmp_path):
         run_notebook(source, params, results, tmp_path)
     figures = sorted(path.name for path in smoke_env["figures"].glob("*tiny-llama*.png"))
     assert "06_training_curves_tiny-llama.png" in figures and len(figures) >= 5
+
+
+STUDY_SMOKE = yaml.safe_load((ROOT / "profiles" / "smoke-study.yaml").read_text())
+
+
+@pytest.mark.notebook
+@pytest.mark.real_model
+def test_study_notebooks_run_on_a_tiny_model_folder(smollm2, smoke_env, tmp_path):
+    """The study's notebooks (smoke-study profile) on a tiny random Llama saved to a folder:
+    records written by 08, a rerun of 08 trains nothing, 09 decodes, 10 reports from records."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = smollm2[1]
+    folder = tmp_path / "tiny-study"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    results = smoke_env["results"] / "smoke-study"
+    params = {**{k: v for k, v in STUDY_SMOKE.items() if k != "notebooks"},
+              "profile": "smoke-study", "models": str(folder)}
+    for source in select_notebooks(STUDY_SMOKE):
+        run_notebook(source, params, results, tmp_path)
+    records = sorted((results / "tiny-study" / "records").glob("*.json"))
+    assert len(records) == STUDY_SMOKE["max_drafts"] + 1  # + the learning-curve run
+    stamps = [path.stat().st_mtime_ns for path in records]
+    run_notebook(ROOT / "notebooks" / "08_study_drafts.py", params, results, tmp_path)
+    assert [path.stat().st_mtime_ns for path in records] == stamps  # resumed from the records
+    assert (results / "10_proxy_correlations.csv").exists()
+    assert (results / "09_offline_vs_decoding.csv").exists()
