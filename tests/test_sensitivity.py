@@ -205,6 +205,17 @@ def test_bootstrap_config_and_parse_errors():
         S.parse_values("0,x", "q", 0, 1)
 
 
+def test_selected_sets_add_the_default_and_refuse_unknown_methods():
+    stats = M.layer_stats(torch.randn(8, 40, 5, generator=torch.Generator().manual_seed(6)))
+    config = S.selection_report.SelectionConfig()
+    rows = S.selected_sets(stats, config, ["entropy_topk"])
+    assert [r["label"] for r in rows] == ["entropy_topk", "eagle3_default"]
+    assert rows[1]["layers"] == (2, 3, 4)  # (2, N//2, N-3) with N = 7
+    assert 0 <= rows[1]["renyi2_pct"] <= 100
+    with pytest.raises(ValueError, match=r"unknown selection methods \['best'\]"):
+        S.selected_sets(stats, config, ["best"])
+
+
 def test_variants_share_the_analysis_notebooks_cache_keys():
     variants = S.variant_configs([0, 0.5], [0], seed=0, matmul_dtype="float32")
     assert list(variants) == ["all tokens", "q≥0.5", "all tokens · unit rows"]
@@ -212,3 +223,5 @@ def test_variants_share_the_analysis_notebooks_cache_keys():
     assert variants["all tokens"] == notebooks["all tokens"]
     assert variants["q≥0.5"] == notebooks["top 50% entropy"]
     assert variants["all tokens · unit rows"].row_normalize
+    with pytest.raises(ValueError, match=r"quantiles \(0.5,\) must include 0"):
+        S.variant_configs([0.5], [])

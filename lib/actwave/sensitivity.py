@@ -30,9 +30,10 @@ from tqdm import tqdm
 from actwave import metrics, selection_report
 from actwave.analysis import AnalysisConfig
 
-# The selection methods whose picks are compared across variants, and the baseline.
+# The selection methods whose picks are compared across variants by default; the EAGLE-3
+# default set is always added as the baseline.
 METHODS_STUDIED = ("renyi2_exhaustive", "logdet_dpp", "mrmr", "entropy_topk",
-                   "cka_compartments", "greedy_aggregate_entropy", "eagle3_default")
+                   "cka_compartments", "greedy_aggregate_entropy")
 Blocks = tuple[tuple[int, int], ...]
 
 
@@ -62,7 +63,11 @@ def variant_configs(quantiles: Sequence[float], normalized_quantiles: Sequence[f
                     seed: int = 0, matmul_dtype: str = "float64") -> dict[str, AnalysisConfig]:
     """{label: AnalysisConfig} of every variant: each filter quantile on raw states, then
     each of ``normalized_quantiles`` on row-normalised states. Quantile 0 means no filter
-    (the same config, hence the same cache, as the analysis notebooks' "all tokens")."""
+    (the same config, hence the same cache, as the analysis notebooks' "all tokens"); it
+    must be among ``quantiles``: the other variants are compared with it."""
+    if 0 not in quantiles:
+        raise ValueError(f"quantiles {tuple(quantiles)} must include 0 (every non-special "
+                         "token, the reference variant)")
     variants = {}
     for row_normalize, values in ((False, quantiles), (True, normalized_quantiles)):
         for q in values:
@@ -80,13 +85,17 @@ def top_eigen_shares(stats: metrics.LayerStats) -> Tensor:
                          for layer in stats.layers], dtype=torch.float64)
 
 
-def selected_sets(stats: metrics.LayerStats, config: selection_report.SelectionConfig
-                  ) -> list[dict]:
-    """``selection_report.compare_methods`` rows for ``METHODS_STUDIED`` with the config's
-    options (``stats`` with covariances: greedy_aggregate_entropy needs them)."""
-    methods = {label: spec for label, spec in config.methods().items()
-               if label in METHODS_STUDIED}
-    return selection_report.compare_methods(stats, methods, k=config.k)
+def selected_sets(stats: metrics.LayerStats, config: selection_report.SelectionConfig,
+                  methods: Sequence[str] = METHODS_STUDIED) -> list[dict]:
+    """``selection_report.compare_methods`` rows of ``methods`` and ``eagle3_default`` with
+    the config's options (greedy_aggregate_entropy needs ``stats`` with covariances and
+    ~(N·k)·(k·d)³ flops: minutes on a loaded 2-core CPU)."""
+    known = config.methods()
+    unknown = sorted(set(methods) - set(known))
+    if unknown:
+        raise ValueError(f"unknown selection methods {unknown}; known: {sorted(known)}")
+    chosen = {label: known[label] for label in (*methods, "eagle3_default")}
+    return selection_report.compare_methods(stats, chosen, k=config.k)
 
 
 # ----------------------------------------------------------------------------- segmentations
