@@ -273,6 +273,12 @@ def test_lock_names_its_holder_and_stale_locks_are_taken_over(tmp_path):
     with WriterLock(tmp_path, timeout=0):
         assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
     assert not (tmp_path / ".lock").exists()
+    (tmp_path / ".lock").write_text("")  # a writer died between creating and filling it
+    with pytest.raises(LockedError):
+        WriterLock(tmp_path, timeout=0).__enter__()  # young: perhaps still being written
+    os.utime(tmp_path / ".lock", (time.time() - 120, time.time() - 120))
+    with WriterLock(tmp_path, timeout=0):
+        pass
 
 
 # ----------------------------------------------------------------------------- NaN
@@ -351,3 +357,11 @@ def test_generate_refuses_token_ids_outside_the_vocabulary(target, ids):
     draft = Eagle3Draft.from_target(target, (1, 2, 3), 64)
     with pytest.raises(ValueError, match=r"token ids in 0..49151"):
         speculative.generate(target, draft, torch.tensor(ids), 4)
+
+
+@pytest.mark.parametrize("layers", [(1, 2.7), (True, 2), ("2",)])
+def test_drafts_and_stores_refuse_layer_ids_that_are_not_ints(target, reference_store, layers):
+    with pytest.raises(ValueError, match="element must be an int"):
+        Eagle3Draft.from_target(target, layers, 64)
+    with pytest.raises(ValueError, match="element must be an int"):
+        next(reference_store.iter_shards(layers=layers))

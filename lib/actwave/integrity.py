@@ -246,6 +246,13 @@ class WriterLock:
         return True
 
     def _stale(self, holder: dict) -> bool:
+        """Held by a dead process of this host, or left empty (its writer died between
+        creating and filling it) for over a minute."""
+        if not holder:
+            try:
+                return time.time() - self.path.stat().st_mtime > 60
+            except FileNotFoundError:
+                return False
         return (holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int)
                 and not _alive(holder["pid"]))
 
@@ -258,8 +265,9 @@ class WriterLock:
                 raise LockedError(f"{self.path} is already held by this process (pid "
                                   f"{os.getpid()}): nested writers of one artifact")
             if self._stale(holder):
-                log.warning("removing stale lock %s of dead pid %s", self.path, holder["pid"])
-                self.path.unlink(missing_ok=True)
+                if _holder(self.path) == holder:  # not replaced by a live writer meanwhile
+                    log.warning("removing stale lock %s (%s)", self.path, holder or "empty")
+                    self.path.unlink(missing_ok=True)
                 continue
             waited = time.monotonic() - start
             if self.timeout is not None and waited >= self.timeout:

@@ -46,8 +46,8 @@ from actwave.capture import entropy_and_argmax, validate_layers, valid_states
 from actwave.config import (artifact_dir, atomic_write_bytes, atomic_write_json, config_hash,
                             package_versions, to_jsonable)
 from actwave.integrity import (IntegrityError, WriterLock, bytes_record, check_size,
-                               fingerprint_mismatch, model_dtype, model_fingerprint, read_json,
-                               verify_file, verify_once)
+                               fingerprint_mismatch, int_ids, model_dtype, model_fingerprint,
+                               read_json, verify_file, verify_once)
 from actwave.models import DTYPES, load, num_layers, slug
 from actwave.regenerate import RegenConfig, regenerate
 
@@ -373,8 +373,8 @@ class CaptureStore:
     def iter_shards(self, layers: Sequence[int] | None = None,
                     columns: Sequence[str] = ("entropy", "special", "loss_mask")) -> Iterator[dict]:
         """Per shard: {"hidden": (L_sel, n, D) in storage dtype, plus the named columns}."""
-        layer_ids = validate_layers(range(self.num_layers + 1) if layers is None else layers,
-                                    self.num_layers)
+        layer_ids = validate_layers(range(self.num_layers + 1) if layers is None
+                                    else int_ids("layers", layers), self.num_layers)
         for shard in self.manifest["shards"]:
             with self._open(shard) as f:
                 sliced = f.get_slice("hidden")

@@ -369,8 +369,9 @@ def save_tensors(path, tensors: dict[str, torch.Tensor]) -> dict:
 
 
 def validate_layer_ids(layer_ids, num_layers: int) -> tuple[int, ...]:
-    """Distinct layer ids in 0..N (``actwave.capture.validate_layers``) as a tuple."""
-    ids = validate_layers(layer_ids, num_layers)
+    """Distinct int layer ids in 0..N (``actwave.capture.validate_layers``) as a tuple;
+    bools, floats and strings refused (``int_ids``), not truncated."""
+    ids = validate_layers(int_ids("layer_ids", layer_ids), num_layers)
     if len(set(ids)) != len(ids):
         raise ValueError(f"layer_ids must be distinct, got {ids}")
     return ids
