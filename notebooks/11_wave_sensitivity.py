@@ -43,7 +43,7 @@ max_seq_len = 512
 capture_batch_size = 4
 capture_dtype = "float32"
 stats_matmul_dtype = "float32"  # per-chunk cross products (≈2× faster on CPU); sums stay float64
-sensitivity_quantiles = "0,0.25,0.5,0.75"  # token-filter quantiles (0 = no filter)
+sensitivity_quantiles = "0,0.25,0.5,0.75"  # token-filter quantiles; 0 keeps every non-special token
 normalized_quantiles = "0,0.5"  # quantiles also run on row-normalised states
 n_boot_compartments = 20  # bootstrap replicates over sequences
 boot_tokens = 3000  # at most this many tokens per replicate
