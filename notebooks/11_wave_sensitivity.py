@@ -47,7 +47,7 @@ sensitivity_quantiles = "0,0.25,0.5,0.75"  # token-filter quantiles; 0 keeps eve
 normalized_quantiles = "0,0.5"  # quantiles also run on row-normalised states
 n_boot_compartments = 20  # bootstrap replicates over sequences
 boot_tokens = 3000  # at most this many tokens per replicate
-resolutions = "0.5,1.0,1.5,2.0"  # modularity resolutions γ of the compartments
+resolutions = "0.75,1.0,1.25,1.5"  # modularity resolutions γ of the compartments
 sensitivity_methods = "renyi2_exhaustive,logdet_dpp,mrmr,entropy_topk,cka_compartments,greedy_aggregate_entropy"
 
 # %%
