@@ -72,7 +72,7 @@ from actwave import analysis, study
 from actwave import models as model_zoo
 from actwave.config import cache_dir, results_dir as results_dir_of
 from actwave.plots import save_json, save_table
-from actwave.store import DTYPES, analysis_captures, run_capture
+from actwave.store import analysis_captures
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)
@@ -97,54 +97,35 @@ captures = analysis_captures(model_names, n_sequences=analysis_sequences,
 configs
 
 # %% [markdown]
-# ## Statistics, sets and stores, per model
+# ## Per model: statistics, sets, stores, then the drafts
 # The layer statistics are the analysis notebooks' (cached); the sets and their selection
-# scores (every proxy on both token settings) go to `<model>/sets.csv`.
-
-# %%
-prepared = {}
-for name in model_names:
-    model, tokenizer = model_zoo.load(name, dtype=DTYPES[capture_dtype], device=device)
-    analysis_store = run_capture(captures[name], model, tokenizer, device=device)
-    stats = {s: analysis.compute_layer_stats(analysis_store, settings[s], device=device)
-             for s in study.SETTINGS}
-    num_layers = model_zoo.num_layers(model)
-    sets = study.study_sets(stats, num_layers, configs[name])
-    out = results_dir / model_zoo.slug(name)
-    table = pd.DataFrame([{"label": s.label, "layer_ids": s.layer_ids, "kind": s.kind,
-                           "seeds": s.seeds, "aliases": ",".join(s.aliases),
-                           **study.set_proxies(stats, s.layer_ids)} for s in sets])
-    save_table(table, f"08_sets_{model_zoo.slug(name)}", NOTEBOOK, results_dir, sort_by=["label"])
-    stores = {split: run_capture(configs[name].capture(split), model, tokenizer, device=device)
-              for split in ("train", "eval")}
-    prepared[name] = {"sets": sets, "stores": stores, "out": out, "model": model}
-    del stats
-# the index notebooks 09-10 read (store folders relative to the cache dir)
-save_json({model_zoo.slug(n): {split: str(s.path.relative_to(cache_dir()))
-                               for split, s in p["stores"].items()} for n, p in prepared.items()},
-          study.STORES_INDEX.removesuffix(".json"), NOTEBOOK, results_dir)
-pd.concat([pd.DataFrame([{"model": n, "label": s.label, "layers": s.layer_ids, "seeds": s.seeds}
-                         for s in p["sets"]]) for n, p in prepared.items()])
-
-# %% [markdown]
-# ## The drafts
-# First seeds of the multi-seed sets, then every other set, then the remaining seeds
+# scores (every proxy on both token settings) go to `08_sets_<model>`. Drafts: first seeds
+# of the multi-seed sets, then every other set, then the remaining seeds
 # (`study.draft_order`), then the learning-curve run of the default (`curve_factor`
-# budgets, offline τ̂ at every half budget). Each finished draft leaves its record.
+# budgets, offline τ̂ at every half budget). Each finished draft leaves its record, so a
+# model's drafts start as soon as its own inputs are ready.
 
 # %%
-drafts_dir = cache_dir() / "study-drafts"
-for name, p in prepared.items():
-    order = study.draft_order(p["sets"])[: max_drafts or None]
-    default = next(s for s in p["sets"] if s.kind == "default")
+drafts_dir, stores_index, outs = cache_dir() / "study-drafts", {}, {}
+for name in model_names:
+    prepared = study.prepare(configs[name], captures[name], settings, device)
+    slug = model_zoo.slug(name)
+    save_table(pd.DataFrame(prepared["set_table"]), f"08_sets_{slug}", NOTEBOOK, results_dir,
+               sort_by=["label"])
+    stores_index[slug] = {split: str(store.path.relative_to(cache_dir()))
+                          for split, store in prepared["stores"].items()}
+    save_json(stores_index, study.STORES_INDEX.removesuffix(".json"), NOTEBOOK, results_dir)
+    outs[name] = results_dir / slug
+    args = (configs[name], prepared["model"], prepared["stores"], outs[name], drafts_dir)
+    order = study.draft_order(prepared["sets"])[: max_drafts or None]
     for study_set, index in tqdm(order, desc=f"drafts {name}", mininterval=60):
-        study.run_draft(study_set, seed + index, configs[name], p["model"], p["stores"],
-                        p["out"], drafts_dir)
-    study.run_draft(default, seed, configs[name], p["model"], p["stores"], p["out"], drafts_dir,
-                    steps_factor=configs[name].curve_factor)
+        study.run_draft(study_set, seed + index, *args)
+    default = next(s for s in prepared["sets"] if s.kind == "default")
+    study.run_draft(default, seed, *args, steps_factor=configs[name].curve_factor)
+    del prepared
 
 # %%
-records = {name: study.load_records(p["out"]) for name, p in prepared.items()}
+records = {name: study.load_records(out) for name, out in outs.items()}
 done = pd.DataFrame([{"model": n, "label": r["label"], "seed": r["seed"],
                       "tau_hat": r["offline"]["tau_hat"], "train_seconds": r["train_seconds"]}
                      for n, rs in records.items() for r in rs])

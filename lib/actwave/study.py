@@ -235,6 +235,32 @@ def draft_order(sets: list[StudySet]) -> list[tuple[StudySet, int]]:
     return first + [(s, i) for s in sets for i in range(1, s.seeds)]
 
 
+def prepare(config: StudyConfig, analysis_capture: CaptureConfig, settings: dict,
+            device: str = "cpu") -> dict:
+    """One model's inputs: the target, the layer statistics of the analysis split per token
+    setting, the sets (with every proxy) and the train / eval stores.
+
+    -> {"model", "sets": [StudySet], "set_table": [dict], "stores": {"train", "eval"}}.
+    """
+    from actwave import analysis
+    from actwave import models as model_zoo
+    from actwave.models import DTYPES
+    from actwave.store import run_capture
+
+    model, tokenizer = model_zoo.load(config.model, dtype=DTYPES[config.capture_dtype],
+                                      device=device)
+    analysis_store = run_capture(analysis_capture, model, tokenizer, device=device)
+    stats = {name: analysis.compute_layer_stats(analysis_store, settings[name], device=device)
+             for name in SETTINGS}
+    sets = study_sets(stats, model_zoo.num_layers(model), config)
+    table = [{"label": s.label, "layer_ids": s.layer_ids, "kind": s.kind, "seeds": s.seeds,
+              "aliases": ",".join(s.aliases), **set_proxies(stats, s.layer_ids)} for s in sets]
+    del stats  # the covariance blocks: ~1 GB per setting
+    stores = {split: run_capture(config.capture(split), model, tokenizer, device=device)
+              for split in ("train", "eval")}
+    return {"model": model, "sets": sets, "set_table": table, "stores": stores}
+
+
 # ----------------------------------------------------------------------------- scoring
 def eval_sequences(store, layer_ids, max_seq_len: int):
     """The eval store's sequences for these layers (``TrainData``: states, ids, argmax, mask)."""
