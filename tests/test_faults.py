@@ -365,3 +365,18 @@ def test_drafts_and_stores_refuse_layer_ids_that_are_not_ints(target, reference_
         Eagle3Draft.from_target(target, layers, 64)
     with pytest.raises(ValueError, match="element must be an int"):
         next(reference_store.iter_shards(layers=layers))
+
+
+def test_a_killed_but_unreaped_holder_is_dead():
+    """A lock held by a killed process its parent has not reaped (a zombie) is stale."""
+    import subprocess
+    import time
+
+    from actwave.integrity import _alive
+
+    child = subprocess.Popen(["sleep", "30"])
+    assert _alive(child.pid)
+    child.kill()
+    time.sleep(0.2)  # killed, not yet waited for: a zombie
+    assert not _alive(child.pid)
+    child.wait()
