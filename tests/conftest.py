@@ -32,6 +32,21 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     return model.eval()
 
 
+def save_tiny_llama(folder, tokenizer, hidden_size: int = 64, num_attention_heads: int = 4,
+                    num_key_value_heads: int = 2):
+    """A tiny random Llama (N=8) with ``tokenizer``'s vocabulary saved to ``folder`` with the
+    tokenizer: a model given by path, as ``--model PATH`` takes it. -> str(folder)."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=8, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture(params=["llama", "qwen3", "gemma3"])
 def any_tiny_model(request):
     return tiny_model(request.param)

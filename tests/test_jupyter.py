@@ -25,10 +25,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from actwave import runplan
+from conftest import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "results" / "test-artifacts"
@@ -40,17 +40,8 @@ CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver"
 @pytest.fixture(scope="module")
 def captured(smollm2, tmp_path_factory):
     """Results and figures folders after notebook 01 captured a tiny model folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     work = tmp_path_factory.mktemp("lab")
-    tokenizer, folder = smollm2[1], work / "tiny-lab-llama"
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = save_tiny_llama(work / "tiny-lab-llama", smollm2[1], hidden_size=32)
     env = {"ACTWAVE_RESULTS": str(work / "results"), "ACTWAVE_FIGURES": str(work / "figures")}
     old = {name: os.environ.get(name) for name in env}
     os.environ.update(env)

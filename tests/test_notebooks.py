@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from actwave.runplan import select_notebooks
+from conftest import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = yaml.safe_load((ROOT / "profiles" / "smoke.yaml").read_text())
@@ -71,17 +71,7 @@ def test_notebook_runs_with_smoke_profile(source, smoke_env, tmp_path):
 def test_pipeline_runs_on_a_local_model_folder(smollm2, smoke_env, tmp_path):
     """A tiny random Llama saved to a folder (N=8, SmolLM2's tokenizer) through the smoke
     profile's notebooks: figure, table and cache names must come from models.slug, not the path."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = smollm2[1]
-    folder = tmp_path / "tiny-llama"
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = save_tiny_llama(tmp_path / "tiny-llama", smollm2[1])
     results = smoke_env["results"] / "smoke-local"
     params = {**smoke_env["params"], "profile": "smoke-local", "models": str(folder),
               "train_models": str(folder)}
@@ -99,17 +89,8 @@ STUDY_SMOKE = yaml.safe_load((ROOT / "profiles" / "smoke-study.yaml").read_text(
 def test_study_notebooks_run_on_a_tiny_model_folder(smollm2, smoke_env, tmp_path):
     """The study's notebooks (smoke-study profile) on a tiny random Llama saved to a folder:
     records written by 08, a rerun of 08 trains nothing, 09 decodes, 10 reports from records."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = smollm2[1]
-    folder = tmp_path / "tiny-study"
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = save_tiny_llama(tmp_path / "tiny-study", smollm2[1], hidden_size=32,
+                             num_attention_heads=2, num_key_value_heads=1)
     results = smoke_env["results"] / "smoke-study"
     params = {**{k: v for k, v in STUDY_SMOKE.items() if k != "notebooks"},
               "profile": "smoke-study", "models": str(folder)}
