@@ -263,7 +263,8 @@ def _hold_lock(folder, seconds):
 
 def test_lock_names_its_holder_and_stale_locks_are_taken_over(tmp_path):
     holder = _child(_hold_lock, tmp_path, 3.0)
-    while not (tmp_path / ".lock").exists():
+    # the lock file is created first and filled right after: wait until it names its holder
+    while not (tmp_path / ".lock").exists() or not (tmp_path / ".lock").read_text():
         time.sleep(0.05)
     with pytest.raises(LockedError, match=rf"being written by pid {holder.pid} on host"):
         WriterLock(tmp_path, timeout=0).__enter__()

@@ -271,10 +271,11 @@ class WriterLock:
                 continue
             waited = time.monotonic() - start
             if self.timeout is not None and waited >= self.timeout:
+                who = (f"pid {holder.get('pid')} on host {holder.get('host')!r}" if holder
+                       else "a writer that has not recorded its pid yet")
                 raise LockedError(
-                    f"{self.path.parent} is being written by pid {holder.get('pid')} on host "
-                    f"{holder.get('host')!r}; wait for it to finish (or, if that process no "
-                    f"longer runs, delete {self.path})")
+                    f"{self.path.parent} is being written by {who}; wait for it to finish (or, "
+                    f"if that process no longer runs, delete {self.path})")
             if waited - logged >= 60:
                 log.info("waiting for %s (held by pid %s on %s)", self.path, holder.get("pid"),
                          holder.get("host"))
