@@ -113,6 +113,11 @@ def test_run_draft_writes_a_record_and_a_rerun_reads_it(tiny_study, monkeypatch)
     with pytest.raises(AssertionError, match="must not be retrained"):  # another budget
         study.run_draft(study_set, 0, config(train_steps=4), target, stores,
                         root / "results", root / "drafts")
+    path = study.record_path(root / "results", "eagle3_default", 0)
+    path.write_text(path.read_text().replace('"train": "', '"train": "other-text-'))
+    with pytest.raises(AssertionError, match="must not be retrained"):  # other held-out text
+        study.run_draft(study_set, 0, config(), target, stores, root / "results",
+                        root / "drafts")
 
 
 def test_curve_run_records_offline_tau_per_checkpoint(tiny_study):

@@ -315,6 +315,12 @@ def record_key(config: StudyConfig, train: TrainConfig, stores: dict) -> str:
                         "stores": {k: s.config_hash for k, s in stores.items()}})
 
 
+def data_hashes(stores: dict) -> dict[str, str]:
+    """The content hash of each store's text: regenerated replies can differ between CPUs
+    (near-tie argmax flips), and a record is only valid for the text it was scored on."""
+    return {split: store.manifest.get("dataset_hash", "") for split, store in sorted(stores.items())}
+
+
 def load_record(path: Path, key: str | None = None) -> dict | None:
     """A finished record (None if absent or made under another key)."""
     if not path.exists():
@@ -341,8 +347,10 @@ def run_draft(study_set: StudySet, seed: int, config: StudyConfig, target, store
     label = study_set.label if steps_factor == 1 else f"{study_set.label}_curve{steps_factor}"
     path = record_path(results_dir, label, seed)
     existing = load_record(path, key)
-    if existing is not None:
+    if existing is not None and existing.get("data_hashes") == data_hashes(stores):
         return existing
+    if existing is not None:  # same configs, other text (regenerated on another machine)
+        log.warning("%s: the stores hold other text than when it was made; retraining", path)
     data = eval_sequences(stores["eval"], study_set.layer_ids, config.max_seq_len)
 
     def curve_point(draft):
@@ -361,7 +369,8 @@ def run_draft(study_set: StudySet, seed: int, config: StudyConfig, target, store
               "draft_fingerprint": result.draft.fingerprint(),
               "history": _history_summary(result.history),
               "curve": _curve(result.out_dir) if steps_factor > 1 else [],
-              "offline": scores, "versions": package_versions()}
+              "offline": scores, "data_hashes": data_hashes(stores),
+              "versions": package_versions()}
     atomic_write_json(path, record)
     return load_record(path)  # as a rerun will see it (tuples become lists)
 
