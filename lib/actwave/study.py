@@ -19,6 +19,7 @@ Statistics over the records live in ``actwave.study_stats``.
 """
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import math
@@ -154,7 +155,7 @@ def stratified_random(score_fn, candidates, k: int, n: int, exclude, seed: int
                       ) -> list[tuple[str, tuple[int, ...]]]:
     """n random k-sets spread over the score range: equal draws from the low, mid and high
     thirds of all C(|candidates|, k) sets by ``score_fn`` (sets in ``exclude`` skipped)."""
-    subsets, scores = selection.all_subsets(list(candidates), k), None
+    subsets = selection.all_subsets(list(candidates), k)  # (S, k)
     scores = score_fn(subsets).cpu()
     order = torch.argsort(scores, stable=True)
     thirds = torch.tensor_split(order, 3)
@@ -427,7 +428,6 @@ def _history_summary(history: list[dict], points: int = 12) -> list[dict]:
 
 def _curve(out_dir: Path) -> list[dict]:
     """The eval rows written at each checkpoint (offline τ̂ vs training tokens)."""
-    import csv
     path = Path(out_dir) / "eval.csv"
     if not path.exists():
         return []

@@ -120,8 +120,8 @@ def by_label(records: list[dict]) -> dict[str, list[dict]]:
 
 
 def set_summary(groups: dict[str, list[dict]]) -> list[dict]:
-    """Per set: layers, kind, seeds, τ̂ mean ± SD over seeds (SD NaN for one seed), top-k τ̂,
-    per-step acceptance of the first seed's... mean over seeds."""
+    """Per set: layers, kind, seeds, τ̂ mean ± SD over seeds (SD NaN for one seed), top-k τ̂
+    and the per-step acceptance rates, both averaged over seeds."""
     rows = []
     for label, records in groups.items():
         taus = seed_taus(records)
