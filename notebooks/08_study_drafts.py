@@ -108,8 +108,10 @@ configs
 # %%
 drafts_dir, stores_index, outs = cache_dir() / "study-drafts", {}, {}
 for name in model_names:
-    prepared = study.prepare(configs[name], captures[name], settings, device)
     slug = model_zoo.slug(name)
+    # the regenerated train/eval text is committed beside the records (portable across CPUs)
+    prepared = study.prepare(configs[name], captures[name], settings, device,
+                             pinned_dir=results_dir / slug / "regenerated")
     save_table(pd.DataFrame(prepared["set_table"]), f"08_sets_{slug}", NOTEBOOK, results_dir,
                sort_by=["label"])
     stores_index[slug] = {split: str(store.path.relative_to(cache_dir()))

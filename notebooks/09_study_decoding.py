@@ -30,7 +30,7 @@ device = "cpu"
 capture_dtype = "float32"
 decode_benchmarks = "mtbench,humaneval,sharegpt"
 decode_prompts = 20
-decode_new_tokens = 64
+decode_new_tokens = 32
 n_bootstrap = 1000
 
 # %%

@@ -279,6 +279,53 @@ def _dataset(directory: Path, manifest: dict) -> Dataset:
     return Dataset.from_list(rows)
 
 
+# ----------------------------------------------------------------------------- pinned copies
+# Greedy replies can differ between CPUs (near-tie argmax flips in fp32), and everything
+# downstream (stores, drafts, study records) is keyed by the text. A finished regeneration
+# can therefore be pinned: copied into a folder that is committed with the results, and
+# restored from there into an empty cache on another machine instead of regenerating.
+_PINNED_FILES = ("manifest.json", "config.json")
+
+
+def pin(config: RegenConfig, pinned_dir: Path) -> Path | None:
+    """Copy the finished cache of ``config`` into ``pinned_dir/<cache folder name>`` (once).
+
+    -> the pinned folder, or None when the cache holds no finished regeneration.
+    """
+    out = output_dir(config)
+    manifest = _load_manifest(out / "manifest.json")
+    if manifest is None or not manifest.get("complete"):
+        return None
+    target = Path(pinned_dir) / out.name
+    if (target / "manifest.json").exists():
+        return target
+    for name in [c["file"] for c in manifest["chunks"]] + list(_PINNED_FILES):
+        atomic_write_bytes(target / name, (out / name).read_bytes())  # manifest last
+    return target
+
+
+def restore(config: RegenConfig, pinned_dir: Path) -> bool:
+    """Fill an unfinished cache of ``config`` from its pinned copy, if one exists.
+
+    -> True when the cache now holds the pinned text. A pinned copy made under another
+    config is refused by name.
+    """
+    out = output_dir(config)
+    source = Path(pinned_dir) / out.name
+    cached = _load_manifest(out / "manifest.json")
+    pinned = _load_manifest(source / "manifest.json")
+    if pinned is None or (cached is not None and cached.get("complete")):
+        return False
+    if pinned.get("config_hash") != config_hash(config) or not pinned.get("complete"):
+        raise ValueError(f"pinned regeneration {source} was made under config "
+                         f"{pinned.get('config_hash')} (complete={pinned.get('complete')}), "
+                         f"expected a complete {config_hash(config)}; delete it to regenerate")
+    for name in [c["file"] for c in pinned["chunks"]] + list(_PINNED_FILES):
+        atomic_write_bytes(out / name, (source / name).read_bytes())  # manifest last
+    log.info("restored %d pinned conversations from %s", pinned["n_conversations"], source)
+    return True
+
+
 def regenerate(config: RegenConfig, model=None, tokenizer=None, device: str | torch.device = "cpu",
                progress: bool = True) -> Dataset:
     """Regenerate (or resume, or read back) the assistant replies of a ShareGPT split.

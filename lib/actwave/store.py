@@ -103,11 +103,17 @@ def conversations_for(config: CaptureConfig, model=None, tokenizer=None):
     """
     if config.source == "sharegpt":
         return data_mod.sharegpt_split(config.split)
-    regen = RegenConfig(model=config.model, split=config.split, n_conversations=config.n_sequences,
-                        max_prompt_len=config.max_seq_len - config.regen_new_tokens,
-                        max_new_tokens=config.regen_new_tokens, dtype=config.dtype,
-                        seed=config.seed)
-    return regenerate(regen, model, tokenizer)
+    return regenerate(regen_config(config), model, tokenizer)
+
+
+def regen_config(config: CaptureConfig) -> RegenConfig:
+    """The regeneration behind a capture with ``source="regenerated"``."""
+    if config.source != "regenerated":
+        raise ValueError(f"capture source is {config.source!r}; only 'regenerated' has one")
+    return RegenConfig(model=config.model, split=config.split, n_conversations=config.n_sequences,
+                       max_prompt_len=config.max_seq_len - config.regen_new_tokens,
+                       max_new_tokens=config.regen_new_tokens, dtype=config.dtype,
+                       seed=config.seed)
 
 
 def tokenize_split(config: CaptureConfig, tokenizer, model=None) -> tuple[list[dict], str]:

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from actwave import selection
+from actwave import regenerate, selection
 from actwave.acceptance import decode_walk, sequence_acceptance, tau_hat
 from actwave.config import atomic_write_json, config_hash, package_versions
 from actwave.eagle3.train import TrainConfig, load_sequences, train_draft
-from actwave.store import CaptureConfig
+from actwave.store import CaptureConfig, regen_config, run_capture
 
 log = logging.getLogger(__name__)
 RECORD_FORMAT = "actwave-study-record-v1"
@@ -237,16 +237,16 @@ def draft_order(sets: list[StudySet]) -> list[tuple[StudySet, int]]:
 
 
 def prepare(config: StudyConfig, analysis_capture: CaptureConfig, settings: dict,
-            device: str = "cpu") -> dict:
+            device: str = "cpu", pinned_dir: Path | None = None) -> dict:
     """One model's inputs: the target, the layer statistics of the analysis split per token
-    setting, the sets (with every proxy) and the train / eval stores.
+    setting, the sets (with every proxy) and the train / eval stores (their regenerated text
+    restored from, or pinned to, ``pinned_dir`` when given: ``actwave.regenerate.pin``).
 
     -> {"model", "sets": [StudySet], "set_table": [dict], "stores": {"train", "eval"}}.
     """
     from actwave import analysis
     from actwave import models as model_zoo
     from actwave.models import DTYPES
-    from actwave.store import run_capture
 
     model, tokenizer = model_zoo.load(config.model, dtype=DTYPES[config.capture_dtype],
                                       device=device)
@@ -257,9 +257,21 @@ def prepare(config: StudyConfig, analysis_capture: CaptureConfig, settings: dict
     table = [{"label": s.label, "layer_ids": s.layer_ids, "kind": s.kind, "seeds": s.seeds,
               "aliases": ",".join(s.aliases), **set_proxies(stats, s.layer_ids)} for s in sets]
     del stats  # the covariance blocks: ~1 GB per setting
-    stores = {split: run_capture(config.capture(split), model, tokenizer, device=device)
-              for split in ("train", "eval")}
+    stores = {split: _regenerated_store(config.capture(split), model, tokenizer, device,
+                                        pinned_dir) for split in ("train", "eval")}
     return {"model": model, "sets": sets, "set_table": table, "stores": stores}
+
+
+def _regenerated_store(capture: CaptureConfig, model, tokenizer, device: str,
+                       pinned_dir: Path | None):
+    """The capture of a regenerated split; its text restored from / pinned to ``pinned_dir``
+    so that a rerun on another CPU scores drafts on the very text the records were made on."""
+    if pinned_dir is not None:
+        regenerate.restore(regen_config(capture), pinned_dir)
+    store = run_capture(capture, model, tokenizer, device=device)
+    if pinned_dir is not None:
+        regenerate.pin(regen_config(capture), pinned_dir)
+    return store
 
 
 # ----------------------------------------------------------------------------- scoring
