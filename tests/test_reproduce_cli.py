@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from actwave import runplan
+from actwave.tools import runplan
 
 ROOT = Path(__file__).resolve().parents[1]
 STAMPED = ("requirements.txt", "requirements-assets.txt", "pyproject.toml")

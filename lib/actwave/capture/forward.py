@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from actwave.metrics import token_entropy
-from actwave.models import decoder_layers, final_norm, num_layers
+from actwave.capture.models import decoder_layers, final_norm, num_layers
+from actwave.stats.metrics import token_entropy
 
 
 def validate_layers(layer_ids: Sequence[int], n_layers: int) -> tuple[int, ...]:
