@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from actwave import data, regenerate as regen
+from actwave.capture import data, regenerate as regen
 
 
 @pytest.fixture(scope="module")

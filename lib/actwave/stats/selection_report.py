@@ -1,6 +1,6 @@
 """Reports on layer selection: compare methods, explain a set, tabulate pair and top scores.
 
-Built on the pure search and objectives of ``actwave.selection`` (notebooks 03–05 call
+Built on the pure search and objectives of ``actwave.stats.selection`` (notebooks 03–05 call
 these); like it, pure functions on ``metrics.LayerStats`` tensors: no I/O, no printing.
 ``SelectionConfig`` is the selection stage's (notebook 05) config.
 """
@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from actwave.selection import (METHODS, ScoreFn, all_subsets, check_k, cka_matrix,
-                               compartment_layers, exhaustive, objective, percentile,
-                               resolve_candidates, score_of, select)
+from actwave.stats.selection import (METHODS, ScoreFn, all_subsets, check_k, cka_matrix,
+                                     compartment_layers, exhaustive, objective, percentile,
+                                     resolve_candidates, score_of, select)
 
 # The drafts notebook 06 trains, by label: (token set the layers were picked on, method);
 # None = the config's ``combined_method``. The entropy+CKA sets with and without token

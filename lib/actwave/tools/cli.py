@@ -1,8 +1,8 @@
 """Command line: ``python -m actwave select --model ID --k 3`` picks draft layers for a model.
 
 ``select`` runs the pipeline of notebooks 01–05 for one model: the analysis capture
-(``actwave.store``), the layer statistics for all tokens and for the top-entropy tokens
-(``actwave.analysis``) and every selection method (``actwave.selection_report``). The
+(``actwave.capture.store``), the layer statistics for all tokens and for the top-entropy tokens
+(``actwave.stats.analysis``) and every selection method (``actwave.stats.selection_report``). The
 capture and the statistics are cached under the keys the notebooks use; the defaults are
 the ``cpu`` profile's values (``CPU_PROFILE_KEYS``), so after ``./reproduce.sh`` the
 command on a bundled model reads notebooks 01–05's caches, and a rerun reads its own. It
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from actwave import analysis, selection_report
+from actwave.capture.store import CaptureConfig, run_capture
 from actwave.config import atomic_write_json
 from actwave.eagle3.export import ENGINES, engine_layer_ids
-from actwave.selection import METHODS
-from actwave.store import CaptureConfig, run_capture
+from actwave.stats import analysis, selection_report
+from actwave.stats.selection import METHODS
 
 COLUMNS = (("renyi2", "H2 nats", "{:.4f}"), ("renyi2_pct", "H2 pct", "{:.1f}"),
            ("logdet_pct", "logdet pct", "{:.1f}"), ("entropy_sum_pct", "sum H1 pct", "{:.1f}"),

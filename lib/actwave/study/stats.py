@@ -1,6 +1,6 @@
 """Statistics of the layer-set study (pure: records and arrays in, numbers and tables out).
 
-A study record (``actwave.study``) holds, per held-out sequence s of one draft (set, seed),
+A study record (``actwave.study.runs``) holds, per held-out sequence s of one draft (set, seed),
 the number of rounds ``roots_s`` and the accepted tokens ``accepted_s``, so
 τ̂ = 1 + Σ_s accepted_s / Σ_s roots_s over any subset of sequences (a ratio of sums, as
 EAGLE reports τ over a benchmark).

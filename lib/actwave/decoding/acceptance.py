@@ -1,6 +1,6 @@
 """Offline acceptance: the τ a draft would reach on a text, without running generation.
 
-Chain speculative decoding (``actwave.speculative.generate(mode="chain", depth=K)``) starts
+Chain speculative decoding (``actwave.decoding.speculative.generate(mode="chain", depth=K)``) starts
 each round at a *root*: the last emitted token x_c, which the target has not seen yet. The
 draft's catch-up row at index c−1 (true fused target state g_{c−1}, token x_c, position
 c−1) proposes x̂_{c+1}; each later draft step feeds back its own output hidden at the same

@@ -1,6 +1,6 @@
 """Layer statistics of a capture store: token filtering, one streaming pass, cached result.
 
-Reads the hidden states a capture pass stored (``actwave.store.CaptureStore``), decides
+Reads the hidden states a capture pass stored (``actwave.capture.store.CaptureStore``), decides
 which tokens to keep from the per-token columns alone (a cheap pre-pass: predictive-entropy
 filter, special tokens, loss mask, optional seeded subsample), then makes one pass over the
 shards with ``metrics.StreamingLayerStats``. The result is cached under
@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from actwave.config import artifact_dir, atomic_write_json, save_config, to_jsonable
 from actwave.integrity import IntegrityError, WriterLock, file_record, read_json, verify_once
-from actwave.metrics import LayerStats, StreamingLayerStats, token_filter, unit_rows
+from actwave.stats.metrics import LayerStats, StreamingLayerStats, token_filter, unit_rows
 
 log = logging.getLogger(__name__)
 FILTERS = ("none", "quantile", "threshold")
@@ -202,7 +202,7 @@ def save_layer_stats(directory: Path, stats: LayerStats, key: dict, **extra) -> 
 
 
 STATS_FILES = ("stats.safetensors", "stats.json")
-STATS_REPAIR = ("actwave.analysis.compute_layer_stats(store, config) with the same arguments "
+STATS_REPAIR = ("actwave.stats.analysis.compute_layer_stats(store, config) with the same arguments "
                 "recomputes it (notebooks 02-05: ./reproduce.sh --only 02)")
 
 

@@ -1,14 +1,14 @@
 """Hardware-aware tree sizing: the measured cost of a speculative round, cached per machine.
 
-A round of ``actwave.speculative.generate`` costs a draft catch-up pass, one draft
+A round of ``actwave.decoding.speculative.generate`` costs a draft catch-up pass, one draft
 expansion per tree level beyond the first, and a verification (target forward over the n
 tree tokens, then acceptance and cache bookkeeping). ``measure_costs`` times each of
 those with the very functions ``generate`` calls, on a cache of ``context`` tokens, and
 one plain greedy step beside them; ``load_or_measure`` keeps the curve in the actwave
 cache per (model, device, dtype, threads, draft shape), so it is measured once.
 ``auto_shape`` combines it with the draft's per-depth acceptance (held-out data, e.g.
-``actwave.acceptance``) and picks the tree with the most expected tokens per second
-(``actwave.tree.choose_shape``, in the spirit of Sequoia and EAGLE-2's dynamic trees).
+``actwave.decoding.acceptance``) and picks the tree with the most expected tokens per second
+(``actwave.decoding.tree.choose_shape``, in the spirit of Sequoia and EAGLE-2's dynamic trees).
 """
 from __future__ import annotations
 
@@ -21,14 +21,15 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
-from actwave.acceptance import sequence_acceptance
-from actwave.capture import forward_with_states
+from actwave.capture.data import prompt_ids
+from actwave.capture.forward import forward_with_states
+from actwave.capture.models import slug
 from actwave.config import artifact_dir, atomic_write_json
-from actwave.data import prompt_ids
-from actwave.evaluate import benchmark_prompts
-from actwave.models import slug
-from actwave.speculative import accept_round, greedy_generate, synchronize, verify_forward
-from actwave.tree import DraftTree, TreeShape, build_tree, choose_shape, rank_acceptance
+from actwave.decoding.acceptance import sequence_acceptance
+from actwave.decoding.evaluate import benchmark_prompts
+from actwave.decoding.speculative import accept_round, greedy_generate, verify_forward
+from actwave.decoding.timing import synchronize
+from actwave.decoding.tree import DraftTree, TreeShape, build_tree, choose_shape, rank_acceptance
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -182,13 +183,13 @@ def auto_shape(target, draft, acceptance, costs: CostCurve | None = None) -> Tre
     """The tree with the most expected tokens per second for this draft on this machine.
 
     acceptance: per-depth reach probabilities of the draft on held-out text — a list
-    (top-1 chain) or {top_k: list} (see ``actwave.tree.rank_acceptance``); costs: a
+    (top-1 chain) or {top_k: list} (see ``actwave.decoding.tree.rank_acceptance``); costs: a
     ``CostCurve``, else ``load_or_measure``.
     """
     if acceptance is None:
         raise ValueError("tree='auto' needs acceptance=: the draft's per-depth reach "
                          "probabilities on held-out text (a list, or {top_k: list}), e.g. "
-                         "from actwave.acceptance")
+                         "from actwave.decoding.acceptance")
     p = rank_acceptance(acceptance)
     costs = costs or load_or_measure(target, draft)
     return choose_shape(p, costs.verify_seconds, costs.level_seconds, costs.catch_up_seconds,
@@ -220,7 +221,7 @@ def held_out_acceptance(target, draft, texts: list[tuple[torch.Tensor, int]], de
                         top_ks=(1, 2, 4, 8)) -> dict[int, list[float]]:
     """The draft's reach probabilities on greedy replies (``greedy_texts`` of held-out prompts).
 
-    Every reply position is a round root (``actwave.acceptance``, exact on greedy text);
+    Every reply position is a round root (``actwave.decoding.acceptance``, exact on greedy text);
     -> {top_k: [P(the first d draft tokens are all accepted) for d = 1..depth]}, the
     input of ``auto_shape``.
     """

@@ -32,11 +32,12 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig
 
-from actwave import data
+from actwave.capture import data
 from actwave.config import (atomic_write_json, cache_dir, config_hash, package_versions,
                             to_jsonable)
+from actwave.decoding.speculative import generate, greedy_generate
+from actwave.decoding.timing import synchronize
 from actwave.eagle3 import Eagle3Draft
-from actwave.speculative import generate, greedy_generate, synchronize
 
 log = logging.getLogger(__name__)
 BENCHMARKS = ("mtbench", "humaneval", "sharegpt")

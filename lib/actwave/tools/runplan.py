@@ -1,12 +1,12 @@
 """What ``reproduce.sh`` runs, checked before any notebook starts.
 
-``python -m actwave.runplan notebooks --profile P [--only NN,..] [--model ID]`` prints the
+``python -m actwave.tools.runplan notebooks --profile P [--only NN,..] [--model ID]`` prints the
 notebook sources to run, one per line, or refuses with one line on stderr and exit status 2:
 an unknown or path-like profile, an ``--only`` that names no notebook of the profile, a
 ``--model`` that is neither a bundled name, a local model folder nor an HF id in the local
 HF cache.
 
-``python -m actwave.runplan run NOTEBOOK --profile P [--model ID]`` executes one notebook
+``python -m actwave.tools.runplan run NOTEBOOK --profile P [--model ID]`` executes one notebook
 with papermill into ``results/<profile>/``, passing only the profile keys the notebook
 declares in its ``parameters`` cell (papermill warns about any other), on a kernel whose
 sockets are CurveZMQ-encrypted (ipykernel warns about plain TCP). The log shows the
@@ -95,7 +95,7 @@ def select_notebooks(profile: dict, only: str = "", root: Path | None = None) ->
 
 def check_model(name: str) -> None:
     """Refuse a model that cannot be opened offline, without loading any weights."""
-    from actwave import models
+    from actwave.capture import models
 
     if name in models.REGISTRY:
         return
@@ -183,7 +183,7 @@ def run_notebook(source: Path, profile_name: str, profile: dict, model: str = ""
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m actwave.runplan",
+    parser = argparse.ArgumentParser(prog="python -m actwave.tools.runplan",
                                      description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("notebooks", help="print the notebooks to run, or refuse")

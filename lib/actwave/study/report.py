@@ -1,8 +1,8 @@
 """Tables and figures of the layer-set study, from its records (notebook 10).
 
-Table builders take the records (``actwave.study.load_records``) and the sets table that
+Table builders take the records (``actwave.study.runs.load_records``) and the sets table that
 notebook 08 wrote (selection proxies per set) and return DataFrames; the statistics are
-``actwave.study_stats``. Plot helpers return a Figure and never save.
+``actwave.study.stats``. Plot helpers return a Figure and never save.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from actwave import study_stats
-from actwave.study import PROXIES, SETTINGS
+from actwave.study import stats as study_stats
+from actwave.study.runs import PROXIES, SETTINGS
 
 REFERENCE = "eagle3_default"
 

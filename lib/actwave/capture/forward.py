@@ -13,19 +13,19 @@ from typing import Sequence
 
 import torch
 
-from actwave.metrics import token_entropy
-from actwave.models import decoder_layers, final_norm, num_layers
+from actwave.capture.models import decoder_layers, final_norm, num_layers
+from actwave.stats.metrics import token_entropy
 
 
-def validate_layers(layer_ids: Sequence[int], n_layers: int) -> tuple[int, ...]:
+def validate_layers(layer_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
     """Layer ids as a tuple, each checked to lie in 0..N."""
     ids = tuple(int(i) for i in layer_ids)
     if not ids:
         raise ValueError("layer_ids is empty; give at least one layer index in 0..N")
-    bad = [i for i in ids if not 0 <= i <= n_layers]
+    bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad:
-        raise ValueError(f"layer index {bad[0]} out of range: this model has N={n_layers} "
-                         f"decoder blocks, so layer ids must lie in 0..{n_layers}")
+        raise ValueError(f"layer index {bad[0]} out of range: this model has N={num_layers} "
+                         f"decoder blocks, so layer ids must lie in 0..{num_layers}")
     return ids
 
 

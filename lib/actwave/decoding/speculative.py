@@ -21,12 +21,11 @@ One round (EAGLE, Li et al. 2024/2025; loop structure after gpt-fast's
 prefill token excluded), as in EAGLE's evaluation.
 
 ``tree="auto"`` picks depth, top-k and tree size from the target's measured verification
-cost curve and the draft's per-depth acceptance (``actwave.costmodel``).
+cost curve and the draft's per-depth acceptance (``actwave.decoding.costmodel``).
 """
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,8 +35,9 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from actwave.capture import forward_with_states
-from actwave.tree import DraftTree, build_tree, target_tree_mask
+from actwave.capture.forward import forward_with_states
+from actwave.decoding.timing import SectionClock
+from actwave.decoding.tree import DraftTree, build_tree, target_tree_mask
 
 MODES = ("tree", "chain")
 TREES = ("fixed", "auto")
@@ -68,32 +68,6 @@ class GreedyResult:
     tokens: list[int]
     target_forwards: int
     timings: dict[str, float] = field(default_factory=dict)
-
-
-def synchronize(device) -> None:
-    """Wait for queued CUDA work on ``device`` so wall-clock timings cover it (CPU: no-op)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _Clock:
-    """Wall-clock sections; synchronises CUDA so device work is timed, not queued."""
-
-    def __init__(self, device: torch.device, sections: tuple[str, ...]):
-        self.device, self.totals = device, Counter({section: 0.0 for section in sections})
-        self.start = self._now()
-
-    def _now(self) -> float:
-        synchronize(self.device)
-        return time.perf_counter()
-
-    def lap(self, section: str, since: float) -> float:
-        now = self._now()
-        self.totals[section] += now - since
-        return now
-
-    def finish(self) -> dict[str, float]:
-        return {**self.totals, "total": self._now() - self.start}
 
 
 def _check_inputs(input_ids, max_new_tokens: int) -> None:
@@ -285,7 +259,7 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *, mod
     dynamic tree, ``top_k`` children per expanded node, ``depth`` levels,
     ``total_tokens`` tree tokens including the root. temperature 0: output equals greedy
     decoding of the target; > 0: output is distributed as the target's sampling.
-    tree "auto": mode, depth, top_k and total_tokens are chosen by ``actwave.costmodel``
+    tree "auto": mode, depth, top_k and total_tokens are chosen by ``actwave.decoding.costmodel``
     from ``acceptance`` (the draft's per-depth reach probabilities: a list, or {top_k:
     list}) and ``costs`` (a ``CostCurve``; measured once and cached when None); the
     choice is in ``result.shape``.
@@ -300,7 +274,8 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *, mod
     draft.check_target(target)
     shape = dict(mode=mode, depth=depth, top_k=top_k, total_tokens=total_tokens)
     if tree == "auto":
-        from actwave.costmodel import auto_shape  # costmodel times this module's round steps
+        # imported here: costmodel imports this module to time its round steps
+        from actwave.decoding.costmodel import auto_shape
         chosen = auto_shape(target, draft, acceptance, costs)
         shape = {**dataclasses.asdict(chosen), "tree": "auto"}
         mode, depth, top_k, total_tokens = (chosen.mode, chosen.depth, chosen.top_k,
@@ -309,7 +284,7 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *, mod
         top_k, total_tokens = 1, depth + 1
     device, eos = input_ids.device, set(int(t) for t in eos_token_ids)
     generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
-    clock = _Clock(device, SECTIONS)
+    clock = SectionClock(device, SECTIONS)
     target_cache, draft_cache = DynamicCache(), DynamicCache()
     logits, states, _ = forward_with_states(target, draft.layer_ids, input_ids,
                                             logits_to_keep=1, cache=target_cache)
@@ -354,7 +329,7 @@ def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int,
     """Plain greedy decoding with a KV cache, one target forward per token (the baseline)."""
     _check_inputs(input_ids, max_new_tokens)
     eos = set(int(t) for t in eos_token_ids)
-    clock = _Clock(input_ids.device, ("prefill", "decode"))
+    clock = SectionClock(input_ids.device, ("prefill", "decode"))
     cache = DynamicCache(config=target.config)  # HF's own cache (sliding layers where used)
     logits = target(input_ids=input_ids, cache=cache, use_cache=True,
                     logits_to_keep=1).logits

@@ -1,7 +1,7 @@
 """Choosing k hidden-state layers to feed an EAGLE-3 draft (pure functions).
 
 Layer ids are indices ℓ ∈ {0..N} = number of decoder blocks applied (docs/METHODS.md §2).
-Every method works on the statistics of ``actwave.metrics.LayerStats`` (per-layer matrix
+Every method works on the statistics of ``actwave.stats.metrics.LayerStats`` (per-layer matrix
 entropy, the L×L linear-CKA matrix, the covariance blocks) and returns a sorted tuple of
 layer ids.
 
@@ -28,7 +28,7 @@ permuting the layers' statistics permutes the chosen set (up to ties, which go t
 earlier candidate).
 
 Reports built on these (method comparison, set profiles, pair matrices, the selection
-stage's config) live in ``actwave.selection_report``.
+stage's config) live in ``actwave.stats.selection_report``.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from actwave import metrics
 from actwave.integrity import int_ids
+from actwave.stats import metrics
 
 ScoreFn = Callable[[Tensor], Tensor]
 # Size guards: exhaustive search holds all C(n, k) subsets as int64 ids (+ a score each);

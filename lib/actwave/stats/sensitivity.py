@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from actwave import metrics, selection_report
-from actwave.analysis import AnalysisConfig
+from actwave.stats import metrics, selection_report
+from actwave.stats.analysis import AnalysisConfig
 
 # The selection methods whose picks are compared across variants by default; the EAGLE-3
 # default set is always added as the baseline.

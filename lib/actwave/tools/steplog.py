@@ -1,6 +1,6 @@
 """Run one reproduction step and log what it cost: wall time, peak memory, cache disk.
 
-``python -m actwave.steplog LOG NAME -- COMMAND...`` runs COMMAND, samples the resident
+``python -m actwave.tools.steplog LOG NAME -- COMMAND...`` runs COMMAND, samples the resident
 memory of its whole process tree (papermill and the kernel it starts) once a second from
 ``/proc``, then appends one row to the TSV file LOG and exits with COMMAND's status.
 ``reproduce.sh`` wraps every notebook with it, so each profile's folder holds

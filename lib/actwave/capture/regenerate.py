@@ -7,7 +7,7 @@ original user (and system) messages; for each of its first ``turns`` user turns 
 target's greedy reply to the regenerated conversation so far replaces the original reply.
 Later turns are dropped: their user messages answer replies the target never wrote.
 
-Prompts use ``actwave.data.prompt_ids`` (the chat template with its default system
+Prompts use ``actwave.capture.data.prompt_ids`` (the chat template with its default system
 prompt), the same rendering the evaluation uses. Conversations whose first prompt exceeds
 ``max_prompt_len`` tokens are skipped (counted); a later turn that exceeds it ends that
 conversation early (counted).
@@ -32,10 +32,10 @@ from datasets import Dataset
 from tqdm import tqdm
 from transformers import GenerationConfig
 
-from actwave import data as data_mod
+from actwave.capture import data as data_mod
+from actwave.capture.models import DTYPES, load, slug, stop_token_ids
 from actwave.config import (artifact_dir, atomic_write_bytes, atomic_write_json, config_hash,
                             package_versions, save_config, to_jsonable)
-from actwave.models import DTYPES, load, slug, stop_token_ids
 
 log = logging.getLogger(__name__)
 
