@@ -107,7 +107,7 @@ configs
 # model's drafts start as soon as its own inputs are ready.
 
 # %%
-drafts_dir, stores_index, outs = cache_dir() / "study-drafts", {}, {}
+drafts_dir, stores_index = cache_dir() / "study-drafts", runs.read_stores_index(results_dir)
 for name in model_names:
     slug = model_zoo.slug(name)
     # the regenerated train/eval text is committed beside the records (portable across CPUs)
@@ -118,8 +118,7 @@ for name in model_names:
     stores_index[slug] = {split: str(store.path.relative_to(cache_dir()))
                           for split, store in prepared["stores"].items()}
     save_json(stores_index, runs.STORES_INDEX.removesuffix(".json"), NOTEBOOK, results_dir)
-    outs[name] = results_dir / slug
-    args = (configs[name], prepared["model"], prepared["stores"], outs[name], drafts_dir)
+    args = (configs[name], prepared["model"], prepared["stores"], results_dir / slug, drafts_dir)
     order = runs.draft_order(prepared["sets"])[: max_drafts or None]
     for study_set, index in tqdm(order, desc=f"drafts {name}", mininterval=60):
         runs.run_draft(study_set, seed + index, *args)
@@ -128,7 +127,8 @@ for name in model_names:
     del prepared
 
 # %%
-records = {name: runs.load_records(out) for name, out in outs.items()}
+# every model with study stores so far (earlier runs for other models included)
+records = {slug: runs.load_records(results_dir / slug) for slug in sorted(stores_index)}
 done = pd.DataFrame([{"model": n, "label": r["label"], "seed": r["seed"],
                       "tau_hat": r["offline"]["tau_hat"], "train_seconds": r["train_seconds"]}
                      for n, rs in records.items() for r in rs])

@@ -34,14 +34,13 @@ decode_new_tokens = 32
 n_bootstrap = 1000
 
 # %%
-import json
 import logging
 
 import pandas as pd
 
 from actwave import plots
 from actwave.capture import models as model_zoo
-from actwave.capture.store import CaptureStore, DTYPES
+from actwave.capture.store import DTYPES
 from actwave.config import cache_dir, results_dir as results_dir_of
 from actwave.decoding import evaluate
 from actwave.study import report, runs
@@ -51,7 +50,6 @@ logging.getLogger("actwave").setLevel(logging.INFO)
 NOTEBOOK = "09_study_decoding"
 model_names = [m.strip() for m in models.split(",") if m.strip()]
 results_dir = results_dir_of(profile)
-stores_index = json.loads((results_dir / runs.STORES_INDEX).read_text())
 plots.setup_style()
 
 # %%
@@ -62,8 +60,7 @@ for name in model_names:
     chosen = runs.decoding_sets(records)
     config = runs.StudyConfig(**chosen["eagle3_default"]["study"])
     target, tokenizer = model_zoo.load(name, dtype=DTYPES[capture_dtype], device=device)
-    stores = {split: CaptureStore(cache_dir() / path)
-              for split, path in stores_index[model_zoo.slug(name)].items()}
+    stores = runs.open_stores(results_dir, model_zoo.slug(name))
     drafts = {label: runs.load_draft(record, config, target, stores, cache_dir() / "study-drafts")
               for label, record in chosen.items()}
     eval_config = evaluate.EvalConfig(

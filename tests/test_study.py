@@ -1,5 +1,6 @@
 """The layer-set study: the sets, the records (resume from the repo), the statistics."""
 import itertools
+import json
 import math
 
 import numpy as np
@@ -212,3 +213,11 @@ def test_summary_and_correlations_over_sets():
     assert (correlations["n"] == 7).all()
     assert correlations["spearman"].to_numpy() == pytest.approx(expected)
     assert report.noise_floor(summary) > 0
+
+
+def test_stores_index_keeps_other_models_and_names_notebook_08(tmp_path):
+    assert runs.read_stores_index(tmp_path) == {}
+    (tmp_path / runs.STORES_INDEX).write_text(json.dumps({"smollm2-135m": {"train": "x"}}))
+    assert set(runs.read_stores_index(tmp_path)) == {"smollm2-135m"}
+    with pytest.raises(ValueError, match="no stores for 'gemma3-270m'.*notebook 08"):
+        runs.open_stores(tmp_path, "gemma3-270m")

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from actwave.capture import regenerate
-from actwave.capture.store import CaptureConfig, regen_config, run_capture
-from actwave.config import atomic_write_json, config_hash, package_versions
+from actwave.capture.store import CaptureConfig, CaptureStore, regen_config, run_capture
+from actwave.config import atomic_write_json, cache_dir, config_hash, package_versions
 from actwave.decoding.acceptance import decode_walk, sequence_acceptance, tau_hat
 from actwave.eagle3.train import TrainConfig, load_sequences, train_draft
 from actwave.stats import selection
@@ -408,6 +408,22 @@ def load_draft(record: dict, config: StudyConfig, target, stores: dict, drafts_d
 
 
 STORES_INDEX = "08_stores.json"
+
+
+def read_stores_index(results_dir: Path) -> dict[str, dict[str, str]]:
+    """{model slug: {split: store folder under ``cache_dir()``}} as notebook 08 wrote it so far
+    ({} before its first run): a run for some models keeps the other models' entries."""
+    path = Path(results_dir) / STORES_INDEX
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def open_stores(results_dir: Path, slug: str) -> dict:
+    """{"train", "eval"}: the study stores notebook 08 made for one model (by its index)."""
+    entries = read_stores_index(results_dir)
+    if slug not in entries:
+        raise ValueError(f"{Path(results_dir) / STORES_INDEX} has no stores for {slug!r} (it has "
+                         f"{sorted(entries)}): run notebook 08 for that model first")
+    return {split: CaptureStore(cache_dir() / path) for split, path in entries[slug].items()}
 
 
 def decoding_sets(records: list[dict]) -> dict[str, dict]:
