@@ -146,7 +146,6 @@ def read_rates(summary: Path) -> dict[str, float]:
             raise ValueError(f"{summary}: no '{prefix}' row with {pattern!r} in its detail")
         return float(found.group(1).replace(",", ""))
     forward = 2 * REFERENCE["params"]
-    L, d = REFERENCE["layers"], REFERENCE["dim"]
     smol = Shape("smollm2-135m", REFERENCE["params"], 30, 576, 49152, 9, 3, 64, 1536)
     train_flops = draft_train_flops_per_token(smol, 3, 8192, 3, 465)  # bench_train defaults
     steps = {row["step"]: float(row["wall_s"]) for row in csv.DictReader(
@@ -154,10 +153,21 @@ def read_rates(summary: Path) -> dict[str, float]:
     return {
         "capture": detail("capture /", r"^([\d.]+) vs") * forward,
         "regenerate": detail("batch 16", r"^([\d.]+) vs") * forward,
-        "stats": detail("streaming (float64)", r"([\d.]+) tok/s") * L * (L + 1) * d * d,
+        "stats": stats_rate(next((r["detail"] for m, r in rows.items()
+                                  if m.startswith("streaming (float64)")), "")),
         "train": detail("draft training", r"^([\d,.]+) tok/s") * train_flops,
         "eval": EVAL_STEP[1] * forward / steps[EVAL_STEP[0]],
     }
+
+
+def stats_rate(detail: str) -> float:
+    """FLOP/s of the streaming statistics from a detail like ``L=31 n=16384 d=576: 217 tok/s``:
+    every token costs L(L+1)/2 products of 2d² FLOPs."""
+    found = re.search(r"L=(\d+) n=\d+ d=(\d+): ([\d.]+) tok/s", detail)
+    if not found:
+        raise ValueError(f"no 'L=.. n=.. d=..: .. tok/s' in the statistics row {detail!r}")
+    L, d, rate = int(found.group(1)), int(found.group(2)), float(found.group(3))
+    return rate * L * (L + 1) * d * d
 
 
 RATE_SOURCES = ("rates: capture, regeneration, statistics and training from {summary} "
