@@ -88,6 +88,7 @@ def test_llama_8b_gpu_plan_refuses_disk_and_points_to_the_block_route(capsys):
     assert plan.main(args + ["--stats-route", "block_pairs", "--stats-budget-gib", "16"]) == 2
     captured = capsys.readouterr()
     assert "02 statistics, all_pairs route" not in captured.err
+    assert "(not run)" in captured.out
     assert "5 passes" in captured.out  # 561 blocks of 128 MiB, ~120 a pass
 
 

@@ -245,9 +245,11 @@ def stats_needs(shape: Shape, p: dict, rates: dict, route: str, budget: float,
     minimum = peak_bytes(L, d, _block_minimum(L, d))
     setting = ("the statistics route: compute_layer_stats(..., route='block_pairs', "
                "memory_budget=...) (plan: --stats-route block_pairs)")
-    lines = [Need("02 statistics, all_pairs route", f"L(L+1)/2·d²·8 on {where}", seconds,
-                  all_pairs, where if route == "all_pairs" else "", setting)]
-    if route == "all_pairs":
+    runs = route == "all_pairs"
+    lines = [Need("02 statistics, all_pairs route", f"L(L+1)/2·d²·8 on {where}" +
+                  ("" if runs else " (not run)"), seconds if runs else None, all_pairs,
+                  where if runs else "", setting)]
+    if runs:
         lines.append(Need("02 cached statistics", f"{STAT_SETS} token sets × the blocks", None,
                           STAT_SETS * all_pairs, "disk", setting))
     else:
@@ -316,8 +318,8 @@ def refusals(needs: list[Need], limits: Limits) -> list[str]:
         if need.limit == "disk":
             disk += need.bytes_needed
             if disk > limits.disk:
-                lines.append(f"{need.step}: the stores need {_gib(disk)} of disk, "
-                             f"{_gib(limits.disk)} free; change {need.setting}")
+                lines.append(f"{need.step}: with the steps before it needs {_gib(disk)} of "
+                             f"disk, {_gib(limits.disk)} free; change {need.setting}")
         elif need.limit and need.bytes_needed > getattr(limits, need.limit):
             lines.append(f"{need.step}: needs {_gib(need.bytes_needed)} of {need.limit} "
                          f"memory, {_gib(getattr(limits, need.limit))} available; change "
