@@ -12,7 +12,7 @@ Steps (each a subprocess with its own time limit; its output goes to ``<out>/<na
 - ``bf16_match``: the same in bfloat16: the greedy match rate (near-ties may flip).
 - ``smoke``: ``./reproduce.sh --profile smoke-cuda``, every notebook on the GPU.
 - ``benchmarks``: ``run_all.py --size quick`` (capture, statistics, regeneration, training,
-  speculative) into ``<out>/benchmarks/summary.csv``; ``python -m actwave.plan --rates`` reads
+  speculative) into ``<out>/benchmarks/summary.csv``; ``python -m actwave.tools.plan --rates`` reads
   it for GPU time estimates.
 
 ``<out>/summary.md`` and ``summary.json`` list each step's exit status, wall time and the

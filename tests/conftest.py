@@ -66,7 +66,7 @@ def llama():
 @pytest.fixture(scope="session")
 def smollm2():
     """The real bundled SmolLM2-135M (dequantised once into the test cache)."""
-    from actwave import models
+    from actwave.capture import models
     return models.load("smollm2-135m")
 
 

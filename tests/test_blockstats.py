@@ -1,4 +1,4 @@
-"""actwave.blockstats: block-pair passes equal the all-pairs streaming route, within budget."""
+"""Block-pair statistics equal the all-pairs streaming route, within their memory budget."""
 from __future__ import annotations
 
 import gc
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actwave import blockstats as B
-from actwave import metrics as M
+from actwave.stats import blockstats as B
+from actwave.stats import metrics as M
 
 L, N, D = 5, 300, 16
 FIELDS = ("entropy", "renyi2", "cka", "cka_biased")
@@ -125,14 +125,14 @@ def test_nan_states_are_refused_naming_the_layer(hidden):
 def store(tmp_path, monkeypatch):
     from test_analysis import write_store
 
-    from actwave.store import CaptureStore
+    from actwave.capture.store import CaptureStore
     monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
     write_store(tmp_path / "store")
     return CaptureStore(tmp_path / "store")
 
 
 def test_compute_layer_stats_routes_agree_and_record_the_route(store):
-    from actwave.analysis import AnalysisConfig, compute_layer_stats
+    from actwave.stats.analysis import AnalysisConfig, compute_layer_stats
     config = AnalysisConfig(filter="quantile", filter_value=0.5)
     blocks = compute_layer_stats(store, config, progress=False, name="blocks",
                                  route="block_pairs", memory_budget=B.fixed_bytes(4, 8) + 3 * 512)
@@ -148,7 +148,7 @@ def test_compute_layer_stats_routes_agree_and_record_the_route(store):
 
 
 def test_all_pairs_call_recomputes_a_block_pair_artifact(store):
-    from actwave.analysis import AnalysisConfig, compute_layer_stats
+    from actwave.stats.analysis import AnalysisConfig, compute_layer_stats
     budget = B.fixed_bytes(4, 8) + 2 * 512
     first = compute_layer_stats(store, AnalysisConfig(), progress=False, route="block_pairs",
                                 memory_budget=budget)
@@ -161,7 +161,7 @@ def test_all_pairs_call_recomputes_a_block_pair_artifact(store):
 
 
 def test_unknown_route_and_small_all_pairs_budget_are_refused(store):
-    from actwave.analysis import AnalysisConfig, compute_layer_stats
+    from actwave.stats.analysis import AnalysisConfig, compute_layer_stats
     with pytest.raises(ValueError, match="route must be one of .*'gram'"):
         compute_layer_stats(store, AnalysisConfig(), progress=False, route="gram")
     with pytest.raises(MemoryError, match="memory_budget allows .* route='block_pairs'"):
@@ -190,9 +190,9 @@ def test_tiny_model_statistics_stay_under_a_budget_the_all_pairs_route_exceeds(t
     (measured: the process's peak RSS) under the budget and gives the same numbers."""
     from conftest import tiny_model
 
-    from actwave import store as store_mod
-    from actwave.analysis import AnalysisConfig, compute_layer_stats
+    from actwave.capture import store as store_mod
     from actwave.config import atomic_write_json
+    from actwave.stats.analysis import AnalysisConfig, compute_layer_stats
     monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
     model = tiny_model(hidden_size=768, intermediate_size=768, num_attention_heads=4,
                        num_key_value_heads=4)

@@ -12,9 +12,9 @@ import torch
 from conftest import tiny_model
 from test_speculative import SETTINGS, prompt, random_draft
 
-from actwave import blockstats as B
-from actwave import metrics as M
-from actwave.speculative import generate, greedy_generate
+from actwave.decoding.speculative import generate, greedy_generate
+from actwave.stats import blockstats as B
+from actwave.stats import metrics as M
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

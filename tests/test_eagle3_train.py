@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from actwave import store as store_mod
-from actwave.capture import hidden_states
+from actwave.capture import store as store_mod
+from actwave.capture.forward import hidden_states
 from actwave.config import atomic_write_json
 from actwave.eagle3 import Eagle3Draft
 from actwave.eagle3 import train as train_mod

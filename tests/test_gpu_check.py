@@ -7,8 +7,8 @@ import importlib
 import pytest
 import yaml
 
-from actwave import runplan
 from actwave.config import repo_root
+from actwave.tools import runplan
 
 
 @pytest.fixture

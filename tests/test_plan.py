@@ -1,4 +1,4 @@
-"""actwave.plan: shapes from configs on the meta device, the plan's sizes, and its refusals."""
+"""actwave.tools.plan: shapes from configs on the meta device, the plan's sizes, and its refusals."""
 from __future__ import annotations
 
 import json
@@ -6,9 +6,10 @@ import json
 import pytest
 from conftest import TINY, tiny_model
 
-from actwave import blockstats, plan
-from actwave.metrics import StreamingLayerStats
-from actwave.runplan import load_profile
+from actwave.stats import blockstats
+from actwave.stats.metrics import StreamingLayerStats
+from actwave.tools import plan
+from actwave.tools.runplan import load_profile
 
 LLAMA_8B = "profiles/configs/llama-3.1-8b.json"
 
