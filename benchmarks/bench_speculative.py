@@ -29,6 +29,7 @@ from actwave.decoding.evaluate import EvalConfig, evaluate, load_drafts
 from actwave.eagle3 import Eagle3Draft
 from actwave.stats.selection import eagle3_default
 
+DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16"}
 COLUMNS = ["method", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "tau",
            "speedup_per_tau", "exact_match_rate", "n_prompts"]
 
@@ -40,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-prompts", type=int, default=5, help="per benchmark")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft", help="trained draft folder (else a RANDOM draft)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="bf16: verification may flip near-ties; the exact-match rate says")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--depth", type=int, default=4, help="fixed tree")
     parser.add_argument("--top-k", type=int, default=4, help="fixed tree")
@@ -73,7 +76,7 @@ def run(target, tokenizer, draft, label: str, settings: dict, peers: bool, args)
 
 def compare(args) -> tuple[pd.DataFrame, dict, bool]:
     """All rows (fixed-tree pass with peers, then the auto-tree pass) and the auto shape."""
-    target, tokenizer = models.load(args.model, dtype=torch.float32, device=args.device)
+    target, tokenizer = models.load(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     draft, trained = load_draft(target, args)
     eos = models.stop_token_ids(tokenizer, args.model)
     prompts = [p.to(args.device) for p in costmodel.held_out_prompts(tokenizer, args.acceptance_prompts)]
@@ -84,7 +87,7 @@ def compare(args) -> tuple[pd.DataFrame, dict, bool]:
     first = run(target, tokenizer, draft, "spec_fixed", fixed, True, args)
     second = run(target, tokenizer, draft, "spec_auto", shape.settings(), False, args)
     table = pd.concat([first, second[second.method != "greedy"]], ignore_index=True)
-    info = {"acceptance": acceptance, "shape": shape, "fixed": fixed}
+    info = {"acceptance": acceptance, "shape": shape, "fixed": fixed, "dtype": args.dtype}
     return table, info, trained
 
 
@@ -103,7 +106,8 @@ def summary_rows(table: pd.DataFrame, info: dict, trained: bool) -> list[dict]:
         detail = (f"tau {row.tau:.2f}; speedup/tau {row.speedup_per_tau:.2f}; {shapes[row.method]}; "
                   if spec else "")
         rows.append({"benchmark": "speculative",
-                     "measure": f"{row.method} / our greedy tok/s (fp32)" + (mark if spec else ""),
+                     "measure": f"{row.method} / our greedy tok/s ({DTYPE_LABELS[info.get('dtype', 'float32')]})"
+                                + (mark if spec else ""),
                      "ratio": row.speedup, "target": ">= 1 (issue), 1.5 aim" if spec else "-",
                      "detail": detail + f"exact {row.exact_match_rate:.0%}; {row.n_prompts} prompts"})
     return rows
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pd.set_option("display.width", 200)
     table, info, trained = compare(args)
     shape = info["shape"]
-    print(f"== {args.model} float32 on {args.device}, {args.benchmarks} first turns, "
+    print(f"== {args.model} {args.dtype} on {args.device}, {args.benchmarks} first turns, "
           f"{args.n_prompts} prompts each, {args.max_new_tokens} new tokens, T=0; draft: "
           f"{args.draft or 'RANDOM untrained'}")
     print("held-out reach P(first d accepted), top-1:",

@@ -22,11 +22,16 @@ from tqdm import tqdm
 
 from actwave.config import artifact_dir, atomic_write_json, save_config, to_jsonable
 from actwave.integrity import IntegrityError, WriterLock, file_record, read_json, verify_once
+from actwave.stats.blockstats import block_pair_layer_stats
 from actwave.stats.metrics import LayerStats, StreamingLayerStats, token_filter, unit_rows
 
 log = logging.getLogger(__name__)
 FILTERS = ("none", "quantile", "threshold")
 MATMUL_DTYPES = ("float64", "float32")
+# How the pair statistics are accumulated (equal results; not part of the cache key):
+# 'all_pairs' keeps every d×d cross block (needed by aggregate Shannon entropies),
+# 'block_pairs' a budgeted few at a time over several passes (actwave.stats.blockstats).
+ROUTES = ("all_pairs", "block_pairs")
 # Fields added to AnalysisConfig after artifacts were cached, with their defaults.
 LATER_FIELDS = {"row_normalize": False}
 
@@ -143,38 +148,58 @@ def available_bytes(device: str | torch.device) -> int | None:
     return None  # unknown (not Linux): no check
 
 
-def check_memory(num_layers: int, dim: int, device: str | torch.device) -> int:
-    """Refuse a streaming pass whose accumulators cannot fit; return the bytes it needs.
+def check_memory(num_layers: int, dim: int, device: str | torch.device,
+                 memory_budget: int | None = None) -> int:
+    """Refuse an all-pairs streaming pass whose accumulators cannot fit; return its bytes.
 
     The L(L+1)/2 d×d float64 cross-covariance blocks grow as L²d²: 1.3 GB for
-    SmolLM2-135M (31 layers × 576), ~75 GB for an 8B Llama (33 × 4096).
+    SmolLM2-135M (31 layers × 576), ~75 GB for an 8B Llama (33 × 4096). The limit is
+    ``memory_budget`` bytes if given, else the device's free memory.
     """
     need = StreamingLayerStats.accumulator_bytes(num_layers, dim)
-    free = available_bytes(device)
+    free = available_bytes(device) if memory_budget is None else memory_budget
     if free is not None and need > free:
+        where = f"{device} has" if memory_budget is None else "memory_budget allows"
         raise MemoryError(
             f"layer statistics over {num_layers} layers × d={dim} need {need / 2**30:.1f} GiB "
-            f"of float64 accumulators (L(L+1)/2·d²·8 bytes) but {device} has "
-            f"{free / 2**30:.1f} GiB free; use a machine with more memory or a model with "
+            f"of float64 accumulators (L(L+1)/2·d²·8 bytes) but {where} "
+            f"{free / 2**30:.1f} GiB; use route='block_pairs' (memory set by memory_budget, "
+            "no aggregate Shannon entropies), a machine with more memory or a model with "
             "fewer/narrower layers")
     return need
+
+
+def _kept_shards(store, keep: torch.Tensor, config: AnalysisConfig, progress: bool,
+                 desc: str = "layer stats"):
+    """Per shard: (hidden ``(N+1, n, D)``, its slice of ``keep``); checks the token count."""
+    offset = 0
+    shards = store.iter_shards(columns=())
+    for shard in tqdm(shards, total=len(store.manifest["shards"]), desc=desc,
+                      disable=not progress, mininterval=10):
+        n_shard = shard["hidden"].shape[1]
+        hidden = unit_rows(shard["hidden"]) if config.row_normalize else shard["hidden"]
+        yield hidden, keep[offset:offset + n_shard]
+        offset += n_shard
+    if offset != keep.numel():
+        raise ValueError(f"store shards hold {offset} tokens but its columns {keep.numel()}")
 
 
 def _stream_store(store, keep: torch.Tensor, device, progress: bool,
                   config: AnalysisConfig) -> LayerStats:
     stream = StreamingLayerStats(store.num_layers + 1, store.hidden_size, device,
                                  matmul_dtype=getattr(torch, config.matmul_dtype))
-    offset = 0
-    shards = store.iter_shards(columns=())
-    for shard in tqdm(shards, total=len(store.manifest["shards"]), desc="layer stats",
-                      disable=not progress, mininterval=10):
-        n_shard = shard["hidden"].shape[1]
-        hidden = unit_rows(shard["hidden"]) if config.row_normalize else shard["hidden"]
-        stream.update(hidden, keep[offset:offset + n_shard])
-        offset += n_shard
-    if offset != keep.numel():
-        raise ValueError(f"store shards hold {offset} tokens but its columns {keep.numel()}")
+    for hidden, kept in _kept_shards(store, keep, config, progress):
+        stream.update(hidden, kept)
     return stream.finalize()
+
+
+def _stream_store_blocks(store, keep: torch.Tensor, device, progress: bool,
+                         config: AnalysisConfig, memory_budget: int) -> tuple[LayerStats, int]:
+    """Block-pair passes over the store (``actwave.stats.blockstats``) -> (stats, passes)."""
+    return block_pair_layer_stats(
+        lambda: _kept_shards(store, keep, config, progress, "layer stats (block pass)"),
+        store.num_layers + 1, store.hidden_size, memory_budget, torch.device(device),
+        matmul_dtype=getattr(torch, config.matmul_dtype))
 
 
 def _cache_key(store, config: AnalysisConfig) -> dict:
@@ -220,37 +245,63 @@ def load_layer_stats(directory: Path, key: dict | None = None) -> LayerStats:
 
 
 def compute_layer_stats(store, config: AnalysisConfig, device: str | torch.device = "cpu",
-                        progress: bool = True, name: str | None = None) -> LayerStats:
+                        progress: bool = True, name: str | None = None, *,
+                        route: str = "all_pairs",
+                        memory_budget: int | None = None) -> LayerStats:
     """``LayerStats`` over the store's tokens kept by ``config`` (all N+1 layers), cached.
 
     The artifact is keyed by the capture's config hash and ``config``; a second call loads
     it, and recomputes it if it fails verification (the repair). ``name`` (default: the
     store folder's name) prefixes the artifact folder. One writer per folder (WriterLock).
+    ``route`` (``ROUTES``): 'all_pairs' keeps every covariance block; 'block_pairs' holds at
+    most ``memory_budget`` bytes (default: the device's free memory) over several passes and
+    returns no blocks. Both give the same numbers, so the route is not in the key; it is
+    recorded in ``config.json``, and an 'all_pairs' call recomputes a cached 'block_pairs'
+    artifact (which lacks the blocks).
     """
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     key = _cache_key(store, config)
     directory = artifact_dir("layer_stats", key, name or Path(store.path).name)
     with WriterLock(directory):
         if (directory / "config.json").exists():
-            log.info("layer stats: loading cache %s", directory)
             try:
-                return load_layer_stats(directory, key)
+                recorded = read_json(directory / "config.json", STATS_REPAIR)
+                if route == "block_pairs" or recorded.get("route", "all_pairs") == "all_pairs":
+                    log.info("layer stats: loading cache %s", directory)
+                    return load_layer_stats(directory, key)
+                log.info("layer stats: cached without covariance blocks; recomputing all pairs")
             except IntegrityError as err:
                 log.warning("recomputing layer stats: %s", err)
-                (directory / "config.json").unlink()
-        return _compute_and_save(store, config, directory, key, device, progress)
+            (directory / "config.json").unlink()
+        return _compute_and_save(store, config, directory, key, device, progress, route,
+                                 memory_budget)
 
 
 def _compute_and_save(store, config: AnalysisConfig, directory: Path, key: dict,
-                      device: str | torch.device, progress: bool) -> LayerStats:
-    """One streaming pass over the kept tokens, saved into ``directory`` and read back."""
-    check_memory(store.num_layers + 1, store.hidden_size, device)
+                      device: str | torch.device, progress: bool, route: str,
+                      memory_budget: int | None) -> LayerStats:
+    """The kept tokens' statistics by ``route``, saved into ``directory`` and read back."""
+    if route == "all_pairs":
+        check_memory(store.num_layers + 1, store.hidden_size, device, memory_budget)
+    elif memory_budget is None:
+        memory_budget = available_bytes(device)
+        if memory_budget is None:
+            raise ValueError(f"route='block_pairs' needs memory_budget (bytes): the free "
+                             f"memory of {device} is unknown here")
     keep, counts = token_keep_mask(store, config)
     log.info("layer stats: %d of %d tokens kept (%s)", counts["n_used"],
              counts["n_store_tokens"], config.filter)
     if counts["n_used"] < 4:
         raise ValueError(f"only {counts['n_used']} tokens survive the filter {config}; need ≥ 4")
-    stats = _stream_store(store, keep, device, progress, config)
-    save_layer_stats(directory, stats, key, seed=config.seed, token_counts=counts)
+    if route == "all_pairs":
+        stats, record = _stream_store(store, keep, device, progress, config), {}
+    else:
+        stats, passes = _stream_store_blocks(store, keep, device, progress, config,
+                                             memory_budget)
+        record = {"memory_budget": memory_budget, "passes": passes}
+    save_layer_stats(directory, stats, key, seed=config.seed, token_counts=counts, route=route,
+                     **record)
     return load_layer_stats(directory, key)
 
 

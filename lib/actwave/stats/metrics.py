@@ -342,7 +342,8 @@ class LayerStats:
     def block(self, i: int, j: int) -> Tensor:
         """Σᵢⱼ ``(d, d)`` for any order of layer indices i, j."""
         if not self.cov:
-            raise ValueError("these LayerStats carry no covariance blocks (made by without_cov)")
+            raise ValueError("these LayerStats carry no covariance blocks (made by without_cov or "
+                             "the block-pair route); compute them with route='all_pairs'")
         return self.cov[(i, j)] if i <= j else self.cov[(j, i)].T
 
     def without_cov(self) -> "LayerStats":
@@ -369,6 +370,24 @@ class LayerStats:
                    renyi2=torch.as_tensor(data["renyi2"]), cka=torch.as_tensor(data["cka"]),
                    cka_biased=torch.as_tensor(data["cka_biased"]), cov=cov,
                    n_seen=data.get("n_seen"))
+
+
+def centred_row_norm_products(sq_products: Tensor, sq_weighted: Tensor, sq_sums: Tensor,
+                              mean: Tensor, bilinear: Tensor, n: int) -> Tensor:
+    """(L, L) Σᵢ ‖x_a,ᵢ − μ_a‖² ‖x_b,ᵢ − μ_b‖² from sums of shifted tokens x.
+
+    ``sq_products[a, b]`` = Σq_aq_b with q = ‖x‖², ``sq_weighted[a, b]`` = Σq_a x_b ``(L, L, d)``,
+    ``sq_sums[a]`` = Σq_a, ``mean: (L, d)`` = Σx/n, ``bilinear[a, b]`` = μ_aᵀΣ_abμ_b with Σ_ab
+    the centred block. With ‖x − μ‖² = q − 2μ·x + ‖μ‖², expanding the product and summing over
+    tokens (Σx = nμ, Σ x_a x_bᵀ = Σ_ab + nμ_aμ_bᵀ) gives
+    Σq_aq_b − 2μ_b·Σq_a x_b − 2μ_a·Σq_b x_a + ‖μ_b‖²Σq_a + ‖μ_a‖²Σq_b + 4μ_aᵀΣ_abμ_b
+    + n‖μ_a‖²‖μ_b‖².
+    """
+    mean_sq = mean.square().sum(dim=1)  # (L,)
+    weighted = torch.einsum("abd,bd->ab", sq_weighted, mean)  # μ_b·Σq_a x_b
+    return (sq_products - 2 * weighted - 2 * weighted.T
+            + torch.outer(sq_sums, mean_sq) + torch.outer(mean_sq, sq_sums)
+            + 4 * bilinear + n * torch.outer(mean_sq, mean_sq))
 
 
 class StreamingLayerStats:
@@ -465,21 +484,13 @@ class StreamingLayerStats:
         self.n_tokens += x.shape[1]
 
     def _centred_row_norm_products(self, mean: Tensor) -> Tensor:
-        """(L, L) Σᵢ ‖x_a,ᵢ − μ_a‖² ‖x_b,ᵢ − μ_b‖² from the shifted sums, ``mean: (L, d)``.
-
-        With q = ‖x‖², ‖x − μ‖² = q − 2μ·x + ‖μ‖²; expanding the product and summing
-        over tokens (Σx = nμ, Σ x_a x_bᵀ = Σ_ab + nμ_aμ_bᵀ with Σ_ab the centred block):
-        Σq_aq_b − 2μ_b·Σq_a x_b − 2μ_a·Σq_b x_a + ‖μ_b‖²Σq_a + ‖μ_a‖²Σq_b
-        + 4μ_aᵀΣ_abμ_b + n‖μ_a‖²‖μ_b‖². Call after the blocks are centred.
-        """
-        n, mean_sq = self.n_tokens, mean.square().sum(dim=1)  # (L,)
-        weighted = torch.einsum("abd,bd->ab", self._sq_weighted, mean)  # μ_b·Σq_a x_b
+        """(L, L) Σᵢ ‖x_a,ᵢ − μ_a‖² ‖x_b,ᵢ − μ_b‖², ``mean: (L, d)``; call after the blocks
+        are centred (``centred_row_norm_products``)."""
         bilinear = torch.zeros_like(self._sq_products)  # μ_aᵀ Σ_ab μ_b
         for (a, b), cov in self._cross.items():
             bilinear[a, b] = bilinear[b, a] = mean[a] @ cov @ mean[b]
-        return (self._sq_products - 2 * weighted - 2 * weighted.T
-                + torch.outer(self._sq_sums, mean_sq) + torch.outer(mean_sq, self._sq_sums)
-                + 4 * bilinear + n * torch.outer(mean_sq, mean_sq))
+        return centred_row_norm_products(self._sq_products, self._sq_weighted, self._sq_sums,
+                                         mean, bilinear, self.n_tokens)
 
     def finalize(self) -> LayerStats:
         """Centre the accumulators and compute entropies and both CKA matrices."""

@@ -1,0 +1,402 @@
+"""A plan before the run: what each step of a profile will need, from the model's config alone.
+
+    python -m actwave.tools.plan --model ID [--profile cpu] [--memory-gib G] [--device-memory-gib G]
+        [--disk-gib G] [--stats-route all_pairs|block_pairs] [--stats-budget-gib G]
+        [--rates results/benchmarks/summary.csv]
+
+``ID`` is a bundled name, a local model folder, an HF id in the local HF cache, or a
+``config.json``-style file (e.g. ``profiles/configs/llama-3.1-8b.json``). The model is built
+on the meta device (no weights) for its parameter count. The plan prints, per step, the
+capture disk, the layer-statistics memory of each route, the draft-training memory, and
+times scaled from committed measurements (named in the output), then refuses — exit status
+2, one line naming the setting to change — a run whose disk or memory cannot fit.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from actwave.config import cache_dir, repo_root
+from actwave.stats.analysis import available_bytes
+from actwave.stats.blockstats import pair_schedule, peak_bytes
+from actwave.stats.metrics import StreamingLayerStats
+from actwave.tools.runplan import Refusal, load_profile
+
+GIB = 2**30
+# Mean stored tokens per sequence / max_seq_len, measured: 30,259 tokens in 64 SmolLM2
+# analysis sequences of ≤ 512 (results/cpu/01_capture.csv).
+FILL = 30259 / (64 * 512)
+COLUMN_BYTES = 39  # per-token columns of a store (35,751 B/token measured − 31·576·2)
+STAT_SETS = 3  # token sets notebook 02 caches per model: all, top-entropy, all + special
+# The measurements the rates come from: SmolLM2-135M (N=30, d=576, 134.5M parameters).
+REFERENCE = {"params": 134_515_008, "layers": 31, "dim": 576}
+EVAL_STEP = ("07_speculative", 9 * 6 * 64)  # results/cpu/steps.tsv: 9 methods × 6 prompts × 64
+
+
+@dataclass
+class Shape:
+    """What the plan needs of a model: parameters and the sizes of its tensors."""
+
+    name: str
+    params: int
+    layers: int       # N
+    dim: int          # d
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool = True  # input embedding shared with the LM head
+
+    @property
+    def forward_flops(self) -> float:
+        """FLOPs per token of a forward pass: 2 per weight that multiplies (the LM head
+        included; an untied input embedding is a lookup)."""
+        return 2.0 * (self.params - (0 if self.tied else self.vocab * self.dim))
+
+
+def _config(model: str):
+    """The model's transformers config, without weights."""
+    from transformers import AutoConfig
+
+    from actwave.capture import models
+    path = Path(model).expanduser()
+    if path.is_file():
+        record = json.loads(path.read_text())
+        return AutoConfig.for_model(record.pop("model_type"), **record)
+    if model in models.REGISTRY:
+        cached = cache_dir() / "models" / model
+        if (cached / "config.json").is_file():
+            return AutoConfig.from_pretrained(cached)
+        gguf = models.REGISTRY[model].locate()
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoConfig.from_pretrained(models.resolve(model))
+
+
+def model_shape(model: str) -> Shape:
+    """The model built on the meta device: parameter count (tied weights once) and sizes."""
+    from transformers import AutoModelForCausalLM
+    config = _config(model)
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(config)
+    text = config.get_text_config()
+    heads = int(text.num_attention_heads)
+    return Shape(name=str(model), params=sum(p.numel() for p in built.parameters()),
+                 layers=int(text.num_hidden_layers), dim=int(text.hidden_size),
+                 vocab=int(text.vocab_size), heads=heads,
+                 kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+                 head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+                 intermediate=int(text.intermediate_size),
+                 tied=bool(getattr(config, "tie_word_embeddings", True)))
+
+
+def draft_train_flops_per_token(shape: Shape, k: int, draft_vocab: int, ttt_steps: int,
+                                seq_len: int) -> float:
+    """Forward + backward FLOPs per token of one TTT unroll of an EAGLE-3 draft.
+
+    fc 2·k·d² + Σ_steps [2·(2d·(h + 2h_kv)·d_h + h·d_h·d + 3·d·I + d·V_draft) + attention
+    4·h·d_h·(keys seen)], ×3 for the backward pass (the draft's layer reads 2d inputs).
+    """
+    d, h, h_kv, d_h = shape.dim, shape.heads, shape.kv_heads, shape.head_dim
+    per_step = 2 * (2 * d * (h + 2 * h_kv) * d_h + h * d_h * d + 3 * d * shape.intermediate
+                    + d * draft_vocab)
+    attention = sum(4 * h * d_h * ((seq_len + 1) / 2 + step) for step in range(ttt_steps))
+    return 3.0 * (2 * k * d * d + ttt_steps * per_step + attention)
+
+
+def draft_train_bytes(shape: Shape, k: int, draft_vocab: int, ttt_steps: int, batch: int,
+                      seq_len: int, dtype_bytes: int) -> dict[str, float]:
+    """Device memory of draft training, by part (an estimate from the shapes).
+
+    Target weights (its LM head gives the soft labels); the draft's trainable weights with
+    gradient and two AdamW moments in float32 (16 B/parameter) and its frozen embedding
+    copy; activations kept for the backward pass per TTT step: draft-vocab logits,
+    probabilities and their gradient (3·V_draft floats per token), ~20·d floats per token
+    in the layer, eager attention scores and probabilities (2·h·T² floats per sequence).
+    """
+    d = shape.dim
+    trainable = (k * d * d + 2 * d * (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+                 + shape.heads * shape.head_dim * d + 3 * d * shape.intermediate
+                 + d * draft_vocab)
+    tokens = batch * seq_len
+    activations = 4 * ttt_steps * (tokens * (3 * draft_vocab + 20 * d)
+                                   + batch * 2 * shape.heads * seq_len * seq_len)
+    return {"target weights": shape.params * dtype_bytes, "draft + AdamW": 16 * trainable,
+            "frozen embedding copy": shape.vocab * d * dtype_bytes, "activations": activations}
+
+
+def read_rates(summary: Path) -> dict[str, float]:
+    """Effective FLOP/s of each kind of work, from a ``benchmarks/run_all.py`` summary and the
+    cpu profile's ``steps.tsv``; every rate names its source in ``RATE_SOURCES``."""
+    rows = {row["measure"]: row for row in csv.DictReader(summary.open())}
+
+    def detail(prefix: str, pattern: str) -> float:
+        row = next((r for m, r in rows.items() if m.startswith(prefix)), None)
+        found = re.search(pattern, row["detail"]) if row else None
+        if not found:
+            raise ValueError(f"{summary}: no '{prefix}' row with {pattern!r} in its detail")
+        return float(found.group(1).replace(",", ""))
+    forward = 2 * REFERENCE["params"]
+    smol = Shape("smollm2-135m", REFERENCE["params"], 30, 576, 49152, 9, 3, 64, 1536)
+    train_flops = draft_train_flops_per_token(smol, 3, 8192, 3, 465)  # bench_train defaults
+    steps = {row["step"]: float(row["wall_s"]) for row in csv.DictReader(
+        (repo_root() / "results" / "cpu" / "steps.tsv").open(), delimiter="\t")}
+    return {
+        "capture": detail("capture /", r"^([\d.]+) vs") * forward,
+        "regenerate": detail("batch 16", r"^([\d.]+) vs") * forward,
+        "stats": stats_rate(next((r["detail"] for m, r in rows.items()
+                                  if m.startswith("streaming (float64)")), "")),
+        "train": detail("draft training", r"^([\d,.]+) tok/s") * train_flops,
+        "eval": EVAL_STEP[1] * forward / steps[EVAL_STEP[0]],
+    }
+
+
+def stats_rate(detail: str) -> float:
+    """FLOP/s of the streaming statistics from a detail like ``L=31 n=16384 d=576: 217 tok/s``:
+    every token costs L(L+1)/2 products of 2d² FLOPs."""
+    found = re.search(r"L=(\d+) n=\d+ d=(\d+): ([\d.]+) tok/s", detail)
+    if not found:
+        raise ValueError(f"no 'L=.. n=.. d=..: .. tok/s' in the statistics row {detail!r}")
+    L, d, rate = int(found.group(1)), int(found.group(2)), float(found.group(3))
+    return rate * L * (L + 1) * d * d
+
+
+RATE_SOURCES = ("rates: capture, regeneration, statistics and training from {summary} "
+                "(SmolLM2-135M, scaled by FLOPs); speculative evaluation from "
+                "results/cpu/steps.tsv (07_speculative, SmolLM2-135M fp32, per generated token)")
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:,.1f} GiB" if value >= GIB / 10 else f"{value / 2**20:,.1f} MiB"
+
+
+def _time(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:,.1f} h"
+
+
+@dataclass
+class Limits:
+    """What the machine offers: host memory, accelerator memory, free disk (bytes)."""
+
+    host: float
+    device: float
+    disk: float
+
+
+@dataclass
+class Need:
+    """One line of the plan: a step, what it needs, its estimated time, and — when it does not
+    fit — which limit it exceeds and the setting that changes it."""
+
+    step: str
+    detail: str
+    seconds: float | None = None
+    bytes_needed: float = 0.0
+    limit: str = ""         # "host" | "device" | "disk" | "" (not checked)
+    setting: str = ""
+
+
+def _tokens(sequences: int, max_seq_len: int) -> int:
+    return round(sequences * max_seq_len * FILL)
+
+
+def capture_needs(shape: Shape, p: dict, rates: dict, train: bool) -> list[Need]:
+    """Notebook 01: the analysis store, and for a draft model the train store (after
+    regenerating its replies when ``train_source`` is 'regenerated')."""
+    per_token = (shape.layers + 1) * shape.dim * 2 + COLUMN_BYTES
+    splits = [("analysis", int(p["analysis_sequences"]), "analysis_sequences")]
+    needs = []
+    if train:
+        splits.append(("train", int(p["train_sequences"]), "train_sequences"))
+        if p.get("train_source") == "regenerated":
+            new = int(p["train_sequences"]) * int(p["regen_new_tokens"])
+            needs.append(Need("01 regenerate train replies",
+                              f"{p['train_sequences']} replies × ≤ {p['regen_new_tokens']} tokens",
+                              new * shape.forward_flops / rates["regenerate"]))
+    for split, sequences, key in splits:
+        tokens = _tokens(sequences, int(p["max_seq_len"]))
+        needs.append(Need(f"01 capture {split} store",
+                          f"{sequences} seqs × ≤ {p['max_seq_len']} ≈ {tokens:,} tokens × "
+                          f"{per_token / 1e3:.1f} kB", tokens * shape.forward_flops / rates["capture"],
+                          tokens * per_token, "disk", f"{key} or max_seq_len"))
+    return needs
+
+
+def stats_needs(shape: Shape, p: dict, rates: dict, route: str, budget: float,
+                where: str) -> list[Need]:
+    """Notebooks 02-05: per token set one pass (all-pairs) or several (block-pairs)."""
+    L, d = shape.layers + 1, shape.dim
+    tokens = _tokens(int(p["analysis_sequences"]), int(p["max_seq_len"]))
+    seconds = 2.5 * tokens * L * (L + 1) * d * d / rates["stats"]  # sets: all, top half, all+sp.
+    all_pairs = StreamingLayerStats.accumulator_bytes(L, d)
+    minimum = peak_bytes(L, d, _block_minimum(L, d))
+    setting = ("the statistics route: compute_layer_stats(..., route='block_pairs', "
+               "memory_budget=...) (plan: --stats-route block_pairs)")
+    runs = route == "all_pairs"
+    lines = [Need("02 statistics, all_pairs route", f"L(L+1)/2·d²·8 on {where}" +
+                  ("" if runs else " (not run)"), seconds if runs else None, all_pairs,
+                  where if runs else "", setting)]
+    if runs:
+        lines.append(Need("02 cached statistics", f"{STAT_SETS} token sets × the blocks", None,
+                          STAT_SETS * all_pairs, "disk", setting))
+    else:
+        passes = len(pair_schedule(L, d, int(budget)))
+        lines.append(Need("02 statistics, block_pairs route",
+                          f"budget {_gib(budget)}: {passes} passes over the store per token set "
+                          f"(minimum budget {_gib(minimum)}: {L * (L + 1) // 2} passes); no "
+                          "Shannon aggregates", seconds, peak_bytes(L, d, int(budget)), where,
+                          "memory_budget (plan: --stats-budget-gib)"))
+    return lines
+
+
+def _block_minimum(L: int, d: int) -> int:
+    from actwave.stats.blockstats import fixed_bytes
+    return fixed_bytes(L, d) + 8 * d * d
+
+
+def train_needs(shape: Shape, p: dict, rates: dict, where: str, n_drafts: int) -> list[Need]:
+    """Notebook 06: the train split's k+1 layers in host memory, then one draft at a time."""
+    k, seq = int(p["k"]), int(p["train_max_seq_len"])
+    tokens = _tokens(int(p["train_sequences"]), int(p["max_seq_len"]))
+    data = tokens * (k + 1) * shape.dim * 2
+    parts = draft_train_bytes(shape, k, int(p["draft_vocab_size"]), int(p["ttt_steps"]),
+                              int(p["batch_size"]), seq, 4)
+    per_draft = int(p["train_steps"]) * int(p["batch_size"]) * seq * FILL
+    flops = per_draft * draft_train_flops_per_token(shape, k, int(p["draft_vocab_size"]),
+                                                    int(p["ttt_steps"]), seq)
+    detail = ", ".join(f"{name} {_gib(value)}" for name, value in parts.items())
+    return [Need("06 train states in memory", f"{tokens:,} tokens × {k + 1} layers × d × 2 B",
+                 None, data, "host", "train_sequences"),
+            Need(f"06 train {n_drafts} drafts", f"per draft {p['train_steps']} steps × "
+                 f"{p['batch_size']} × {seq}: {detail}", n_drafts * flops / rates["train"],
+                 sum(parts.values()), where, "batch_size, train_max_seq_len or draft_vocab_size")]
+
+
+def eval_needs(shape: Shape, p: dict, rates: dict, n_methods: int = 9) -> list[Need]:
+    """Notebook 07: every method generates on every prompt of every benchmark."""
+    benchmarks = len(str(p["benchmarks"]).split(","))
+    tokens = (n_methods * benchmarks * int(p["n_prompts"]) * int(p["max_turns"])
+              * int(p["max_new_tokens"]))
+    return [Need("07 speculative evaluation", f"{n_methods} methods × {benchmarks} benchmarks × "
+                 f"{p['n_prompts']} prompts × {p['max_turns']} turns × {p['max_new_tokens']} tokens",
+                 tokens * shape.forward_flops / rates["eval"])]
+
+
+def plan_needs(shape: Shape, profile: dict, rates: dict, route: str,
+               budget: float) -> list[Need]:
+    """Every step of the profile's notebooks 01-07 for one model (trained as a draft target)."""
+    notebooks = str(profile.get("notebooks", "01,02,03,04,05,06,07"))
+    where = "device" if str(profile.get("device", "cpu")).startswith("cuda") else "host"
+    train = "06" in notebooks
+    needs = capture_needs(shape, profile, rates, train) if "01" in notebooks else []
+    if "02" in notebooks:
+        needs += stats_needs(shape, profile, rates, route, budget, where)
+    if train:
+        needs += train_needs(shape, profile, rates, where, n_drafts=6)
+    if "07" in notebooks:
+        needs += eval_needs(shape, profile, rates)
+    return needs
+
+
+def refusals(needs: list[Need], limits: Limits) -> list[str]:
+    """One line per limit exceeded: disk adds up over the steps, memory is per step."""
+    lines, disk = [], 0.0
+    for need in needs:
+        if need.limit == "disk":
+            disk += need.bytes_needed
+            if disk > limits.disk:
+                lines.append(f"{need.step}: with the steps before it needs {_gib(disk)} of "
+                             f"disk, {_gib(limits.disk)} free; change {need.setting}")
+        elif need.limit and need.bytes_needed > getattr(limits, need.limit):
+            lines.append(f"{need.step}: needs {_gib(need.bytes_needed)} of {need.limit} "
+                         f"memory, {_gib(getattr(limits, need.limit))} available; change "
+                         f"{need.setting}")
+    return lines
+
+
+def render(shape: Shape, profile_name: str, profile: dict, needs: list[Need],
+           limits: Limits, summary: Path) -> str:
+    """The plan as text: a header, one row per step, the sources of the rates."""
+    header = (f"actwave plan · {Path(shape.name).stem} (N={shape.layers}, d={shape.dim}, "
+              f"V={shape.vocab:,}, {shape.params / 1e9:.2f}B parameters) · profile "
+              f"{profile_name} · device {profile.get('device', 'cpu')}\n"
+              f"limits: host memory {_gib(limits.host)}, device memory {_gib(limits.device)}, "
+              f"disk {_gib(limits.disk)}\n")
+    rows = [f"  {'step':<34} {'needs':>10}  {'time':>8}  detail"]
+    for need in needs:
+        size = _gib(need.bytes_needed) if need.bytes_needed else "-"
+        when = _time(need.seconds) if need.seconds is not None else "-"
+        where = f" ({need.limit})" if need.limit else ""
+        rows.append(f"  {need.step:<34} {size:>10}  {when:>8}  {need.detail}{where}")
+    total = sum(n.seconds for n in needs if n.seconds is not None)
+    rows.append(f"  {'total time':<34} {'':>10}  {_time(total):>8}  at the reference CPU's "
+                "rates (2-core AMD EPYC); notebooks 03-05 add about a minute")
+    return header + "\n".join(rows) + "\n" + RATE_SOURCES.format(summary=summary) + "\n"
+
+
+def _limits(args, profile: dict) -> Limits:
+    cuda = str(profile.get("device", "cpu")).startswith("cuda")
+    host = args.memory_gib * GIB if args.memory_gib else available_bytes("cpu") or 0
+    if args.device_memory_gib:
+        device = args.device_memory_gib * GIB
+    elif cuda and torch.cuda.is_available():
+        device = available_bytes("cuda")
+    else:
+        device = 80 * GIB if cuda else host  # the gpu profile is sized for an 80 GB GPU
+    disk = args.disk_gib * GIB if args.disk_gib else shutil.disk_usage(cache_dir().parent
+                                                                       if not cache_dir().exists()
+                                                                       else cache_dir()).free
+    return Limits(host=float(host), device=float(device), disk=float(disk))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m actwave.tools.plan",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="bundled name, folder, HF id or config JSON")
+    parser.add_argument("--profile", default="cpu")
+    parser.add_argument("--memory-gib", type=float, help="host memory (default: MemAvailable)")
+    parser.add_argument("--device-memory-gib", type=float,
+                        help="accelerator memory (default: free CUDA memory, else 80 GiB)")
+    parser.add_argument("--disk-gib", type=float, help="free disk (default: the cache's disk)")
+    parser.add_argument("--stats-route", default="all_pairs", choices=("all_pairs", "block_pairs"))
+    parser.add_argument("--stats-budget-gib", type=float,
+                        help="block_pairs memory budget (default: the memory it runs in)")
+    parser.add_argument("--rates", default="results/benchmarks/summary.csv",
+                        help="a benchmarks/run_all.py summary.csv (relative: to the repo root)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        profile = {**load_profile("cpu"), **load_profile(args.profile)}  # unset keys: cpu's
+        shape = model_shape(args.model)
+        summary = Path(args.rates) if Path(args.rates).is_absolute() else repo_root() / args.rates
+        limits = _limits(args, profile)
+        where = "device" if str(profile.get("device", "cpu")).startswith("cuda") else "host"
+        budget = args.stats_budget_gib * GIB if args.stats_budget_gib else getattr(limits, where)
+        needs = plan_needs(shape, profile, read_rates(summary), args.stats_route, budget)
+    except (Refusal, ValueError, OSError) as err:
+        print(f"actwave plan: {err}", file=sys.stderr)
+        return 2
+    print(render(shape, args.profile, profile, needs, limits, Path(args.rates)), end="")
+    refused = refusals(needs, limits)
+    for line in refused:
+        print(f"REFUSED {line}", file=sys.stderr)
+    return 2 if refused else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
