@@ -12,7 +12,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import random_sequences, tiny_model, tiny_store
+from conftest import random_sequences, save_tiny_llama, tiny_model, tiny_store
 from safetensors.torch import load_file, save_file
 
 from actwave import metrics as M
@@ -169,6 +169,41 @@ def test_online_source_rejects_bad_sequences():
     with pytest.raises(ValueError, match="sequence 1 has fewer than 2 tokens"):
         OnlineSource.from_sequences([{"input_ids": [1, 2], "loss_mask": [0, 1]},
                                      {"input_ids": [3], "loss_mask": [1]}], "h", "p")
+
+
+def test_online_command_line_trains_from_a_model_folder(tmp_path, monkeypatch):
+    """``python -m actwave.eagle3.online`` on a tiny Llama folder: ShareGPT sequences
+    tokenised as a capture would, recorded as online data, no capture store written."""
+    from test_cli import tiny_tokenizer
+
+    from actwave.eagle3 import online
+
+    monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
+    folder = save_tiny_llama(tmp_path / "tiny-online-llama", tiny_tokenizer(), hidden_size=32)
+    online.main(["--model", folder, "--sequences", "3", "--layers", "2,4,5",
+                 "--out", str(tmp_path / "run"), "--total_steps", "2", "--warmup_steps", "0",
+                 "--max_seq_len", "48", "--draft_vocab_size", "64", "--checkpoint_every", "2"])
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert record["complete"] and record["config"]["layer_ids"] == [2, 4, 5]
+    assert record["store_config_hash"].startswith("online-") and record["n_train_sequences"] == 3
+    assert record["store"] == f"online:{folder}/train"
+    assert not (tmp_path / "cache" / "capture").exists()
+
+
+def test_statistics_command_line_in_one_process(tmp_path, monkeypatch, capsys):
+    """``python -m actwave.distributed`` without a process group is the one-process pass."""
+    from actwave import distributed
+
+    monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "store").mkdir()
+    store = tiny_store(tmp_path / "store", tiny_model("llama"), random_sequences(4))
+    distributed.main(["--store", str(tmp_path / "store"), "--filter", "quantile",
+                      "--filter-value", "0.3"])
+    printed = [line.split() for line in capsys.readouterr().out.splitlines()]
+    expected = compute_layer_stats(store, ANALYSIS, progress=False)
+    assert printed[0][:5] == [str(expected.n_tokens), "tokens", "over", "1", "processes"]
+    assert [float(row[3]) for row in printed[1:]] == pytest.approx(expected.entropy.tolist(),
+                                                                    abs=1e-6)
 
 
 # ----------------------------------------------------------------------------- two processes
