@@ -151,12 +151,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--matmul-dtype", default="float64", choices=MATMUL_DTYPES)
     args = parser.parse_args(argv)
-    state = Accelerator()
+    accelerator = Accelerator()
     config = AnalysisConfig(filter=args.filter, filter_value=args.filter_value,
                             max_tokens=args.max_tokens, matmul_dtype=args.matmul_dtype)
-    stats = layer_stats_all_processes(CaptureStore(args.store), config, device=state.device)
-    if state.is_main_process:
-        print(f"{stats.n_tokens} tokens over {state.num_processes} processes")
+    stats = layer_stats_all_processes(CaptureStore(args.store), config, device=accelerator.device)
+    if accelerator.is_main_process:
+        print(f"{stats.n_tokens} tokens over {accelerator.num_processes} processes")
         for layer, entropy in zip(stats.layers, stats.entropy.tolist()):
             print(f"layer {layer:3d}  H1 {entropy:.6f} nats")
 

@@ -22,7 +22,8 @@ from actwave.config import config_hash, to_jsonable
 from actwave.eagle3.train import (TrainConfig, TrainResult, _one_writer, _pad, add_config_arguments,
                                   config_from_args, fit, trained_positions)
 from actwave.eagle3.vocab import draft_target_ids
-from actwave.store import check_model, tokenize_split
+from actwave.models import DTYPES, load
+from actwave.store import SOURCES, CaptureConfig, CaptureStore, check_model, tokenize_split
 
 
 @dataclass
@@ -128,9 +129,6 @@ def main(argv: list[str] | None = None) -> None:
 
     from accelerate import Accelerator
 
-    from actwave.models import DTYPES, load
-    from actwave.store import SOURCES, CaptureConfig, CaptureStore
-
     parser = argparse.ArgumentParser(description="Train one EAGLE-3 draft, target in the loop.")
     parser.add_argument("--model", required=True, help="bundled name, HF id or local path")
     parser.add_argument("--split", default="train", help="ShareGPT split (default train)")
@@ -142,12 +140,12 @@ def main(argv: list[str] | None = None) -> None:
     add_config_arguments(parser)
     args = parser.parse_args(argv)
     config = config_from_args(args)
-    state = Accelerator()
-    target, tokenizer = load(args.model, dtype=DTYPES[args.target_dtype], device=state.device)
+    accelerator = Accelerator()
+    target, tokenizer = load(args.model, dtype=DTYPES[args.target_dtype], device=accelerator.device)
     capture = CaptureConfig(model=args.model, split=args.split, n_sequences=args.sequences,
                             max_seq_len=config.max_seq_len, dtype=args.target_dtype,
                             source=args.source)
-    with state.main_process_first():  # regenerated replies: written once, then read
+    with accelerator.main_process_first():  # regenerated replies: written once, then read
         source = online_source(capture, target, tokenizer)
     train_online(source, target, config, args.out,
                  eval_store=CaptureStore(args.eval_store) if args.eval_store else None)

@@ -580,7 +580,7 @@ def evaluate_draft(draft: Eagle3Draft, store_eval, target, ttt_steps: int = 7,
 
 
 def add_config_arguments(parser) -> None:
-    """``--layers`` and one ``--<field>`` per scalar ``TrainConfig`` field (its default if absent)."""
+    """``--layers`` and one ``--<field>`` per scalar ``TrainConfig`` field (default if absent)."""
     parser.add_argument("--layers", required=True, help="comma-separated layer ids, e.g. 2,15,27")
     for f in fields(TrainConfig):
         if f.name not in ("layer_ids", "betas"):
