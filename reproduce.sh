@@ -61,12 +61,12 @@ case $MODE in
   lab) exec env -u MPLBACKEND -u TQDM_MININTERVAL $PY -m jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks \
          --LabApp.app_settings_dir=jupyter/lab-settings \
          --KernelManager.transport_encryption=required "$@" ;;
-  compare) exec $PY -m actwave.compare --profile "$PROFILE" ;;
+  compare) exec $PY -m actwave.tools.compare --profile "$PROFILE" ;;
 esac
 
 # --- notebooks: refuse a bad profile, --only or --model before anything runs --------------
-plan=$($PY -m actwave.runplan notebooks --profile "$PROFILE" --only "$ONLY" --model "$MODEL") \
-  || exit 2
+plan=$($PY -m actwave.tools.runplan notebooks --profile "$PROFILE" --only "$ONLY" \
+         --model "$MODEL") || exit 2
 OUT="results/$PROFILE"
 mkdir -p "$OUT"
 # Only the cpu profile regenerates the committed figures/; others keep theirs beside results.
@@ -76,8 +76,8 @@ for src in $plan; do
   echo "[$(date +%H:%M:%S)] $name ($PROFILE): $(sed -n 's/^# # //p' "$src" | head -1)"
   start=$(date +%s)
   # steplog appends wall time, peak memory of the process tree and cache size to steps.tsv
-  $PY -m actwave.steplog "$OUT/steps.tsv" "$name" -- \
-    $PY -m actwave.runplan run "$src" --profile "$PROFILE" --model "$MODEL"
+  $PY -m actwave.tools.steplog "$OUT/steps.tsv" "$name" -- \
+    $PY -m actwave.tools.runplan run "$src" --profile "$PROFILE" --model "$MODEL"
   echo "[$(date +%H:%M:%S)] $name done in $(( $(date +%s) - start )) s"
 done
 echo "done: executed notebooks in $OUT/, figures in ${ACTWAVE_FIGURES:-figures}/," \

@@ -19,9 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from safetensors.torch import save as save_tensors
 
-from actwave import models
-from actwave.speculative import synchronize
-from actwave.store import DTYPES, CaptureConfig, _pad_batch, capture_batch, tokenize_split
+from actwave.capture import models
+from actwave.capture.store import DTYPES, CaptureConfig, _pad_batch, capture_batch, tokenize_split
+from actwave.decoding.timing import synchronize
 
 
 def _time(fn) -> float:

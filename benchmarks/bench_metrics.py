@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from actwave.metrics import StreamingLayerStats
-from actwave.speculative import synchronize
+from actwave.decoding.timing import synchronize
+from actwave.stats.metrics import StreamingLayerStats
 from timing import matmul_gflops  # benchmarks/timing.py
 
 

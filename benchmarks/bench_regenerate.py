@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from actwave import data, models, regenerate as regen
+from actwave.capture import data, models, regenerate as regen
 
 MODEL = "smollm2-135m"
 

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_round.py [--model smollm2-135m] [--draft DIR]
         [--n-prompts 2] [--max-new-tokens 64] [--context 256] [--repeats 5]
 
-1. Cost curve (``actwave.costmodel.measure_costs``, sizes interleaved, medians): one greedy
+1. Cost curve (``actwave.decoding.costmodel.measure_costs``, sizes interleaved, medians): one greedy
    step; verification over n = 1..64 tree tokens (forward + acceptance + cache
    bookkeeping) beside a bare HF forward over the same n tokens (the floor) and beside
    the same verification with HF's repeat_kv attention (the route before packed GQA);
@@ -28,10 +28,11 @@ import pandas as pd
 import torch
 from transformers import DynamicCache
 
-from actwave import costmodel, data, models, speculative
+from actwave.capture import data, models
+from actwave.decoding import costmodel, speculative
+from actwave.decoding.evaluate import benchmark_prompts, load_drafts
 from actwave.eagle3 import Eagle3Draft
-from actwave.evaluate import benchmark_prompts, load_drafts
-from actwave.selection import eagle3_default
+from actwave.stats.selection import eagle3_default
 
 SETTINGS = {"chain d4": dict(mode="chain", depth=4),
             "tree 4/4/16": dict(mode="tree", depth=4, top_k=4, total_tokens=16),

@@ -23,11 +23,11 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from actwave.capture.store import CaptureStore
 from actwave.config import cache_dir
+from actwave.decoding.timing import synchronize
 from actwave.eagle3.train import (TrainConfig, TrainData, TTTLoss, load_sequences, make_batch,
                                   new_draft, train_step)
-from actwave.speculative import synchronize
-from actwave.store import CaptureStore
 from timing import matmul_gflops  # benchmarks/timing.py
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     layer_ids = tuple(int(x) for x in args.layers.split(","))
     store = find_store(args.store)
     if store is not None:
-        from actwave.models import load
+        from actwave.capture.models import load
         target, _ = load(store.manifest["config"]["model"], device=args.device)
         data = load_sequences(store, layer_ids, args.seq_len)
         source = f"real {store.manifest['config']['model']}, store {store.path.name}"

@@ -3,7 +3,7 @@ import time
 
 import torch
 
-from actwave.speculative import synchronize
+from actwave.decoding.timing import synchronize
 
 
 def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, device="cpu",

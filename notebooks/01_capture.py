@@ -42,10 +42,10 @@ import logging
 import pandas as pd
 
 from actwave import index
-from actwave import models as model_zoo
+from actwave.capture import models as model_zoo
+from actwave.capture.store import DTYPES, run_capture
 from actwave.config import results_dir as profile_results
 from actwave.plots import save_json, save_table
-from actwave.store import DTYPES, run_capture
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 NOTEBOOK = "01_capture"

@@ -40,9 +40,10 @@ import logging
 
 import pandas as pd
 
-from actwave import analysis, index, plots, selection
-from actwave import models as model_zoo
+from actwave import index, plots
+from actwave.capture import models as model_zoo
 from actwave.config import results_dir as profile_results
+from actwave.stats import analysis, selection
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)
@@ -58,7 +59,7 @@ stores, settings
 
 # %% [markdown]
 # ## Layer statistics
-# Cached by `actwave.analysis` (keyed by the capture and the token filter); the covariance
+# Cached by `actwave.stats.analysis` (keyed by the capture and the token filter); the covariance
 # blocks are dropped here, this notebook needs only the per-layer numbers.
 
 # %%

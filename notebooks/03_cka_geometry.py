@@ -18,7 +18,7 @@
 # positive floor at small token counts, which filtering makes smaller still, so the
 # debiased matrix is the one used for selection. *Compartments* — contiguous blocks of
 # mutually similar layers, found by maximising modularity over contiguous segmentations
-# (`actwave.metrics.compartments`) — are drawn as boxes; the EAGLE-3 default layers are
+# (`actwave.stats.metrics.compartments`) — are drawn as boxes; the EAGLE-3 default layers are
 # marked in green. Special tokens are excluded unless the setting says otherwise.
 
 # %% tags=["parameters"]
@@ -37,9 +37,10 @@ import logging
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from actwave import analysis, index, plots, selection, selection_report
-from actwave import models as model_zoo
+from actwave import index, plots
+from actwave.capture import models as model_zoo
 from actwave.config import results_dir as profile_results
+from actwave.stats import analysis, selection, selection_report
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)

@@ -41,9 +41,10 @@ import logging
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from actwave import analysis, index, plots, selection, selection_report
-from actwave import models as model_zoo
+from actwave import index, plots
+from actwave.capture import models as model_zoo
 from actwave.config import results_dir as profile_results
+from actwave.stats import analysis, selection, selection_report
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)

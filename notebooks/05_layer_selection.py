@@ -13,7 +13,7 @@
 # %% [markdown]
 # # 05 · Layer selection: which k layers each algorithm picks, and how good they are
 #
-# Every method of `actwave.selection` picks k layers from the candidates ℓ = 1..N, per
+# Every method of `actwave.stats.selection` picks k layers from the candidates ℓ = 1..N, per
 # model and token set (all tokens / top-entropy tokens). Each set is then scored under four
 # objectives over *all* C(N, k) subsets and placed as a percentile (share of subsets that
 # score at most as well):
@@ -46,9 +46,10 @@ import logging
 
 import pandas as pd
 
-from actwave import analysis, index, plots, selection_report
+from actwave import index, plots
 from actwave.config import package_versions
 from actwave.config import results_dir as profile_results
+from actwave.stats import analysis, selection_report
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)

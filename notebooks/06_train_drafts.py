@@ -52,10 +52,10 @@ import logging
 import pandas as pd
 
 from actwave import index, plots
-from actwave import models as model_zoo
+from actwave.capture import models as model_zoo
+from actwave.capture.store import DTYPES
 from actwave.config import results_dir as profile_results
 from actwave.eagle3.train import TrainConfig, train_draft
-from actwave.store import DTYPES
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)

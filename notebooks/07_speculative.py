@@ -15,12 +15,12 @@
 #
 # Every draft trained by notebook 06 (`results/<profile>/06_drafts.json`: model → label →
 # draft folder under the cache dir) decodes MT-bench (`max_turns` turns), HumanEval and held-out
-# ShareGPT prompts with its target at temperature 0 (`actwave.speculative.generate`,
+# ShareGPT prompts with its target at temperature 0 (`actwave.decoding.speculative.generate`,
 # EAGLE-2 dynamic tree). In the same run and on the same prompts: our plain greedy
 # decoding (the speedup baseline and exactness reference), HF `generate` greedy and HF
 # prompt-lookup decoding. τ = tokens emitted / verification rounds (bonus included);
 # speedup = tokens/s ÷ our greedy tokens/s; 95% bootstrap CIs over prompts
-# (`actwave.evaluate`). Raw per-prompt records are saved beside the tables, and a rerun
+# (`actwave.decoding.evaluate`). Raw per-prompt records are saved beside the tables, and a rerun
 # resumes from them.
 #
 # Then: measured τ against the selection scores of notebook 05 (`05_selection.csv`), with
@@ -53,9 +53,10 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from actwave import costmodel, evaluate, index, plots
-from actwave import models as model_zoo
+from actwave import index, plots
+from actwave.capture import models as model_zoo
 from actwave.config import results_dir as profile_results
+from actwave.decoding import costmodel, evaluate
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)

@@ -14,13 +14,13 @@
 # # 08 — The layer-set study: one draft per (set, seed), scored on held-out text
 #
 # For every model: the layer statistics of the `analysis` split (the same capture and token
-# settings as notebooks 01–05), the sets under study (`actwave.study.study_sets`: the
+# settings as notebooks 01–05), the sets under study (`actwave.study.runs.study_sets`: the
 # EAGLE-3 default, every selection method's pick with and without the token filter,
 # `last_k`, `evenly_spaced`, the top layer, random triples stratified over the Rényi-2
 # score range, k = 2 / 4 variants), the on-policy `train` and held-out `eval` stores (replies
 # regenerated greedily by the target), a learning curve of the default, then one draft per
 # (set, seed) with one training budget, scored by offline acceptance on every held-out
-# position (`actwave.acceptance`). Each finished draft writes a small record to
+# position (`actwave.decoding.acceptance`). Each finished draft writes a small record to
 # `results/<profile>/<model>/records/`; a rerun — also from a fresh clone — skips it.
 # Statistics and figures: notebook 10.
 
@@ -68,20 +68,21 @@ import logging
 import pandas as pd
 from tqdm import tqdm
 
-from actwave import analysis, study
-from actwave import models as model_zoo
+from actwave.capture import models as model_zoo
+from actwave.capture.store import analysis_captures
 from actwave.config import cache_dir, results_dir as results_dir_of
 from actwave.plots import save_json, save_table
-from actwave.store import analysis_captures
+from actwave.stats import analysis
+from actwave.study import runs
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)
 NOTEBOOK = "08_study_drafts"
 model_names = [m.strip() for m in models.split(",") if m.strip()]
 results_dir = results_dir_of(profile)
-settings = dict(zip(study.SETTINGS, analysis.token_settings(
+settings = dict(zip(runs.SETTINGS, analysis.token_settings(
     filter_quantile, seed=seed, matmul_dtype=stats_matmul_dtype).values()))
-configs = {name: study.StudyConfig(
+configs = {name: runs.StudyConfig(
     model=name, seed=seed, train_sequences=study_train_sequences,
     eval_sequences=study_eval_sequences, max_seq_len=study_max_seq_len,
     regen_new_tokens=regen_new_tokens, eval_new_tokens=eval_new_tokens,
@@ -101,31 +102,33 @@ configs
 # The layer statistics are the analysis notebooks' (cached); the sets and their selection
 # scores (every proxy on both token settings) go to `08_sets_<model>`. Drafts: first seeds
 # of the multi-seed sets, then every other set, then the remaining seeds
-# (`study.draft_order`), then the learning-curve run of the default (`curve_factor`
+# (`runs.draft_order`), then the learning-curve run of the default (`curve_factor`
 # budgets, offline τ̂ at every half budget). Each finished draft leaves its record, so a
 # model's drafts start as soon as its own inputs are ready.
 
 # %%
-drafts_dir, stores_index, outs = cache_dir() / "study-drafts", {}, {}
+drafts_dir, stores_index = cache_dir() / "study-drafts", runs.read_stores_index(results_dir)
 for name in model_names:
-    prepared = study.prepare(configs[name], captures[name], settings, device)
     slug = model_zoo.slug(name)
+    # the regenerated train/eval text is committed beside the records (portable across CPUs)
+    prepared = runs.prepare(configs[name], captures[name], settings, device,
+                             pinned_dir=results_dir / slug / "regenerated")
     save_table(pd.DataFrame(prepared["set_table"]), f"08_sets_{slug}", NOTEBOOK, results_dir,
                sort_by=["label"])
     stores_index[slug] = {split: str(store.path.relative_to(cache_dir()))
                           for split, store in prepared["stores"].items()}
-    save_json(stores_index, study.STORES_INDEX.removesuffix(".json"), NOTEBOOK, results_dir)
-    outs[name] = results_dir / slug
-    args = (configs[name], prepared["model"], prepared["stores"], outs[name], drafts_dir)
-    order = study.draft_order(prepared["sets"])[: max_drafts or None]
+    save_json(stores_index, runs.STORES_INDEX.removesuffix(".json"), NOTEBOOK, results_dir)
+    args = (configs[name], prepared["model"], prepared["stores"], results_dir / slug, drafts_dir)
+    order = runs.draft_order(prepared["sets"])[: max_drafts or None]
     for study_set, index in tqdm(order, desc=f"drafts {name}", mininterval=60):
-        study.run_draft(study_set, seed + index, *args)
+        runs.run_draft(study_set, seed + index, *args)
     default = next(s for s in prepared["sets"] if s.kind == "default")
-    study.run_draft(default, seed, *args, steps_factor=configs[name].curve_factor)
+    runs.run_draft(default, seed, *args, steps_factor=configs[name].curve_factor)
     del prepared
 
 # %%
-records = {name: study.load_records(out) for name, out in outs.items()}
+# every model with study stores so far (earlier runs for other models included)
+records = {slug: runs.load_records(results_dir / slug) for slug in sorted(stores_index)}
 done = pd.DataFrame([{"model": n, "label": r["label"], "seed": r["seed"],
                       "tau_hat": r["offline"]["tau_hat"], "train_seconds": r["train_seconds"]}
                      for n, rs in records.items() for r in rs])

@@ -17,10 +17,10 @@
 # selected set and the random set with the highest offline τ̂ (seed 0 each). Each decodes
 # MT-bench (both turns), HumanEval and held-out ShareGPT prompts at temperature 0 in fp32
 # by chain speculative decoding of depth K (the depth of offline acceptance), beside our
-# plain greedy decoding in the same run (`actwave.evaluate`): τ, speedup, exactness, and a
+# plain greedy decoding in the same run (`actwave.decoding.evaluate`): τ, speedup, exactness, and a
 # paired bootstrap over prompts. Raw records are committed beside the tables and a rerun
 # resumes from them. Then: decoding τ against offline τ̂ and the offline decoding walk
-# (`actwave.acceptance.decode_walk`) of the same drafts.
+# (`actwave.decoding.acceptance.decode_walk`) of the same drafts.
 
 # %% tags=["parameters"]
 profile = "study"
@@ -30,39 +30,38 @@ device = "cpu"
 capture_dtype = "float32"
 decode_benchmarks = "mtbench,humaneval,sharegpt"
 decode_prompts = 20
-decode_new_tokens = 64
+decode_new_tokens = 32
 n_bootstrap = 1000
 
 # %%
-import json
 import logging
 
 import pandas as pd
 
-from actwave import evaluate, plots, study, study_report
-from actwave import models as model_zoo
+from actwave import plots
+from actwave.capture import models as model_zoo
+from actwave.capture.store import DTYPES
 from actwave.config import cache_dir, results_dir as results_dir_of
-from actwave.store import CaptureStore, DTYPES
+from actwave.decoding import evaluate
+from actwave.study import report, runs
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)
 NOTEBOOK = "09_study_decoding"
 model_names = [m.strip() for m in models.split(",") if m.strip()]
 results_dir = results_dir_of(profile)
-stores_index = json.loads((results_dir / study.STORES_INDEX).read_text())
 plots.setup_style()
 
 # %%
 summaries, agreement, paired = [], [], []
 for name in model_names:
     out = results_dir / model_zoo.slug(name)
-    records = study_report.main_records(study.load_records(out))
-    chosen = study.decoding_sets(records)
-    config = study.StudyConfig(**chosen["eagle3_default"]["study"])
+    records = report.main_records(runs.load_records(out))
+    chosen = runs.decoding_sets(records)
+    config = runs.StudyConfig(**chosen["eagle3_default"]["study"])
     target, tokenizer = model_zoo.load(name, dtype=DTYPES[capture_dtype], device=device)
-    stores = {split: CaptureStore(cache_dir() / path)
-              for split, path in stores_index[model_zoo.slug(name)].items()}
-    drafts = {label: study.load_draft(record, config, target, stores, cache_dir() / "study-drafts")
+    stores = runs.open_stores(results_dir, model_zoo.slug(name))
+    drafts = {label: runs.load_draft(record, config, target, stores, cache_dir() / "study-drafts")
               for label, record in chosen.items()}
     eval_config = evaluate.EvalConfig(
         model=name, dtype=capture_dtype, benchmarks=tuple(decode_benchmarks.split(",")),
@@ -72,12 +71,12 @@ for name in model_names:
                                model_zoo.stop_token_ids(tokenizer, name), out_dir=out,
                                run_name="09_decoding")
     summaries.append(result["summary"].assign(model=name))
-    agreement += [{"model": name, **study_report.offline_vs_decoding(chosen[label], result["records"],
-                                                                     label)}
+    agreement += [{"model": name, **report.offline_vs_decoding(chosen[label], result["records"],
+                                                               label)}
                   for label in chosen]
-    paired += [{"model": name, **study_report.paired_decoding(
+    paired += [{"model": name, **report.paired_decoding(
         result["records"], label, n_bootstrap=n_bootstrap, seed=seed)}
-        for label in chosen if label != study_report.REFERENCE]
+        for label in chosen if label != report.REFERENCE]
 summary = pd.concat(summaries, ignore_index=True)
 plots.save_table(summary, "09_decoding_summary", NOTEBOOK, results_dir)
 plots.save_table(pd.DataFrame(paired), "09_decoding_vs_default", NOTEBOOK, results_dir)
@@ -92,6 +91,6 @@ summary
 agreement = pd.DataFrame(agreement)
 plots.save_table(agreement, "09_offline_vs_decoding", NOTEBOOK, results_dir,
                  sort_by=["model", "label"])
-fig = study_report.plot_offline_vs_decoding(agreement)
+fig = report.plot_offline_vs_decoding(agreement)
 plots.save_figure(fig, "09_offline_vs_decoding", NOTEBOOK)
 agreement

@@ -18,7 +18,7 @@
 #
 # - every set's offline τ̂ (mean ± SD over seeds) and its paired difference to the EAGLE-3
 #   default on the same held-out positions, with a seed × sequence bootstrap CI
-#   (`actwave.study_stats.paired_difference`; NA below 3 seeds, the sequence-only CI then);
+#   (`actwave.study.stats.paired_difference`; NA below 3 seeds, the sequence-only CI then);
 # - the seed noise floor (pooled SD of τ̂ over seeds);
 # - every selection proxy against τ̂ over all trained k = 3 sets: Spearman and Kendall with
 #   permutation p-values;
@@ -35,15 +35,16 @@ n_permutations = 10000
 # %%
 import pandas as pd
 
-from actwave import plots, study, study_report
-from actwave import models as model_zoo
+from actwave import plots
+from actwave.capture import models as model_zoo
 from actwave.config import results_dir as results_dir_of
+from actwave.study import report, runs
 
 NOTEBOOK = "10_study_report"
 model_names = [m.strip() for m in models.split(",") if m.strip()]
 results_dir = results_dir_of(profile)
 plots.setup_style()
-records = {name: study.load_records(results_dir / model_zoo.slug(name)) for name in model_names}
+records = {name: runs.load_records(results_dir / model_zoo.slug(name)) for name in model_names}
 sets = {name: pd.read_csv(results_dir / f"08_sets_{model_zoo.slug(name)}.csv")
         for name in model_names}
 {name: len(r) for name, r in records.items()}
@@ -52,14 +53,14 @@ sets = {name: pd.read_csv(results_dir / f"08_sets_{model_zoo.slug(name)}.csv")
 # ## τ̂ per set and the paired difference to the default
 
 # %%
-summaries = {name: study_report.summary_table(records[name], n_bootstrap, seed)
+summaries = {name: report.summary_table(records[name], n_bootstrap, seed)
              for name in model_names}
 for name, table in summaries.items():
     slug = model_zoo.slug(name)
     plots.save_table(table, f"10_sets_vs_default_{slug}", NOTEBOOK, results_dir, sort_by=[])
-    plots.save_figure(study_report.plot_set_taus(table, title=name), f"10_set_taus_{slug}",
+    plots.save_figure(report.plot_set_taus(table, title=name), f"10_set_taus_{slug}",
                       NOTEBOOK)
-floors = pd.DataFrame([{"model": name, "seed_sd_pooled": study_report.noise_floor(table)}
+floors = pd.DataFrame([{"model": name, "seed_sd_pooled": report.noise_floor(table)}
                        for name, table in summaries.items()])
 plots.save_table(floors, "10_noise_floor", NOTEBOOK, results_dir)
 floors
@@ -68,13 +69,13 @@ floors
 # ## Does any proxy predict τ̂?
 
 # %%
-correlations = pd.concat([study_report.proxy_correlations(
+correlations = pd.concat([report.proxy_correlations(
     summaries[name], sets[name], n_permutations=n_permutations, seed=seed).assign(model=name)
     for name in model_names], ignore_index=True)
 plots.save_table(correlations, "10_proxy_correlations", NOTEBOOK, results_dir,
                  sort_by=["model", "setting", "proxy"])
 for name in model_names:
-    plots.save_figure(study_report.plot_proxy_vs_tau(summaries[name], sets[name], title=name),
+    plots.save_figure(report.plot_proxy_vs_tau(summaries[name], sets[name], title=name),
                       f"10_proxy_vs_tau_{model_zoo.slug(name)}", NOTEBOOK)
 correlations
 
@@ -83,12 +84,12 @@ correlations
 
 # %%
 for name in model_names:
-    curve = study_report.curve_table(records[name])
+    curve = report.curve_table(records[name])
     if curve.empty:
         continue
     slug = model_zoo.slug(name)
     plots.save_table(curve, f"10_learning_curve_{slug}", NOTEBOOK, results_dir,
                      sort_by=["tokens"])
-    budget = study_report.budget_tokens(records[name])
-    plots.save_figure(study_report.plot_curve(curve, budget, title=name),
+    budget = report.budget_tokens(records[name])
+    plots.save_figure(report.plot_curve(curve, budget, title=name),
                       f"10_learning_curve_{slug}", NOTEBOOK)

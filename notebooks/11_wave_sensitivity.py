@@ -28,7 +28,7 @@
 #   modularity Q_γ of the debiased CKA matrix) at resolutions γ ∈ `resolutions`, on the
 #   full analysis split and in `n_boot_compartments` bootstrap replicates over sequences
 #   (each on ≤ `boot_tokens` tokens, debiased linear CKA by the Gram route,
-#   `actwave.sensitivity.bootstrap_compartments`).
+#   `actwave.stats.sensitivity.bootstrap_compartments`).
 #
 # Same capture (the analysis split of notebooks 01–05) and statistics precision as the
 # analysis notebooks; the variants at q = 0 and q = 0.5 reuse their caches.
@@ -55,10 +55,11 @@ import logging
 
 import pandas as pd
 
-from actwave import analysis, index, plots, selection, selection_report, sensitivity
-from actwave import models as model_zoo
+from actwave import index, plots
+from actwave.capture import models as model_zoo
+from actwave.capture.store import analysis_captures, run_capture
 from actwave.config import results_dir as profile_results
-from actwave.store import analysis_captures, run_capture
+from actwave.stats import analysis, selection, selection_report, sensitivity
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)

@@ -63,7 +63,7 @@ def tiny_store(path, model, sequences: list[dict], sequences_per_shard: int | No
                config_hash: str = "tiny"):
     """A real capture store of ``sequences`` (capture_batch per shard, float32 states,
     manifest with shard records) in the existing folder ``path``."""
-    from actwave import store as store_mod
+    from actwave.capture import store as store_mod
     from actwave.config import atomic_write_json
 
     per_shard = sequences_per_shard or len(sequences)
@@ -101,7 +101,7 @@ def llama():
 @pytest.fixture(scope="session")
 def smollm2():
     """The real bundled SmolLM2-135M (dequantised once into the test cache)."""
-    from actwave import models
+    from actwave.capture import models
     return models.load("smollm2-135m")
 
 

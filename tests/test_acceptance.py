@@ -3,12 +3,12 @@ acceptance gives exactly the τ (and rounds) that chain speculative decoding mea
 import pytest
 import torch
 
-from actwave.acceptance import (decode_walk, leading_hits, root_mask, sequence_acceptance,
-                                tau_hat)
-from actwave.capture import hidden_states
+from actwave.capture.forward import hidden_states
+from actwave.decoding.acceptance import (decode_walk, leading_hits, root_mask, sequence_acceptance,
+                                         tau_hat)
+from actwave.decoding.speculative import generate, greedy_generate
 from actwave.eagle3 import Eagle3Draft
 from actwave.eagle3.ttt import TTTLoss
-from actwave.speculative import generate, greedy_generate
 from conftest import tiny_model
 
 LAYERS = (1, 2, 4)

@@ -1,4 +1,4 @@
-"""actwave.analysis on a tiny synthetic capture store written in the real shard format."""
+"""actwave.stats.analysis on a tiny synthetic capture store written in the real shard format."""
 from __future__ import annotations
 
 import json
@@ -8,16 +8,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from actwave import metrics as M
-from actwave.analysis import (AnalysisConfig, compute_layer_stats, load_layer_stats,
-                              token_keep_mask, token_settings)
-from actwave.store import CaptureStore
+from actwave.capture.store import CaptureStore
+from actwave.stats import metrics as M
+from actwave.stats.analysis import (AnalysisConfig, compute_layer_stats, load_layer_stats,
+                                    token_keep_mask, token_settings)
 
 N_LAYERS, DIM, SHARD_SIZES = 3, 8, (50, 70, 40)
 
 
 def write_store(path, seed: int = 0) -> dict:
-    """Shards + manifest as actwave.store writes them; returns the concatenated columns."""
+    """Shards + manifest as actwave.capture.store writes them; returns the concatenated columns."""
     g = torch.Generator().manual_seed(seed)
     path.mkdir(parents=True)
     shards, parts = [], []
@@ -118,7 +118,7 @@ def test_float32_cross_products_match_float64_and_key_the_cache(store):
 
 
 def test_too_large_accumulators_are_refused_before_streaming(store, monkeypatch):
-    from actwave import analysis
+    from actwave.stats import analysis
     capture, _ = store
     need = M.StreamingLayerStats.accumulator_bytes(N_LAYERS + 1, DIM)
     assert analysis.check_memory(N_LAYERS + 1, DIM, "cpu") == need

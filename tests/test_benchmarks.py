@@ -52,7 +52,7 @@ def test_drafts_come_from_the_notebook_manifest_only_when_present(run_all, tmp_p
 def test_speculative_summary_rows_mark_random_drafts_and_report_shapes(monkeypatch):
     import pandas as pd
 
-    from actwave.tree import TreeShape
+    from actwave.decoding.tree import TreeShape
     monkeypatch.syspath_prepend(str(repo_root() / "benchmarks"))
     bench = importlib.import_module("bench_speculative")
     table = pd.DataFrame({"method": ["greedy", "hf_prompt_lookup", "spec_fixed", "spec_auto"],

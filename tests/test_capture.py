@@ -3,8 +3,8 @@ import torch
 import pytest
 from conftest import tiny_model
 
-from actwave import capture, store
-from actwave.models import decoder_layers, final_norm
+from actwave.capture import forward, store
+from actwave.capture.models import decoder_layers, final_norm
 
 
 def _states_by_block_hooks(model, input_ids):
@@ -29,14 +29,14 @@ def _states_by_block_hooks(model, input_ids):
 
 def test_hidden_states_match_block_hooks(any_tiny_model):
     input_ids = torch.randint(0, 128, (2, 12))
-    states = capture.hidden_states(any_tiny_model, input_ids)
+    states = forward.hidden_states(any_tiny_model, input_ids)
     assert states.shape == (5, 2, 12, 64)
     torch.testing.assert_close(states, _states_by_block_hooks(any_tiny_model, input_ids))
 
 
 def test_last_layer_is_pre_norm(any_tiny_model):
     input_ids = torch.randint(0, 128, (1, 9))
-    states = capture.hidden_states(any_tiny_model, input_ids)
+    states = forward.hidden_states(any_tiny_model, input_ids)
     hf_last = any_tiny_model(input_ids, output_hidden_states=True).hidden_states[-1]
     assert not torch.allclose(states[-1], hf_last, atol=1e-3)
     torch.testing.assert_close(final_norm(any_tiny_model)(states[-1]), hf_last)
@@ -44,16 +44,16 @@ def test_last_layer_is_pre_norm(any_tiny_model):
 
 def test_target_logits_from_last_state(any_tiny_model):
     input_ids = torch.randint(0, 128, (1, 9))
-    states = capture.hidden_states(any_tiny_model, input_ids)
+    states = forward.hidden_states(any_tiny_model, input_ids)
     logits = any_tiny_model(input_ids).logits
-    torch.testing.assert_close(capture.target_logits(any_tiny_model, states[-1]), logits)
+    torch.testing.assert_close(forward.target_logits(any_tiny_model, states[-1]), logits)
 
 
 def test_entropy_matches_float64_reference():
     model = tiny_model("llama", seed=3)
     input_ids = torch.randint(0, 128, (1, 16))
-    last = capture.hidden_states(model, input_ids)[-1, 0]                 # (T, D)
-    entropy, argmax = capture.entropy_and_argmax(model, last, chunk=5)
+    last = forward.hidden_states(model, input_ids)[-1, 0]                 # (T, D)
+    entropy, argmax = forward.entropy_and_argmax(model, last, chunk=5)
     logits64 = model(input_ids).logits[0].double()
     probs = logits64.softmax(-1)
     reference = -(probs * probs.log()).sum(-1)
@@ -76,22 +76,22 @@ def test_padding_does_not_change_valid_states():
 
 def test_forward_with_states_orders_layers(any_tiny_model):
     input_ids = torch.randint(0, 128, (1, 7))
-    states = capture.hidden_states(any_tiny_model, input_ids)
-    logits, chosen, cache = capture.forward_with_states(any_tiny_model, (4, 1), input_ids)
+    states = forward.hidden_states(any_tiny_model, input_ids)
+    logits, chosen, cache = forward.forward_with_states(any_tiny_model, (4, 1), input_ids)
     torch.testing.assert_close(chosen, torch.cat([states[4], states[1]], -1))
     assert cache.get_seq_length() == 7
 
 
 def test_layer_out_of_range_is_refused():
     with pytest.raises(ValueError, match="layer index 5 out of range.*0..4"):
-        capture.forward_with_states(tiny_model(), (1, 5), torch.zeros(1, 3, dtype=torch.long))
+        forward.forward_with_states(tiny_model(), (1, 5), torch.zeros(1, 3, dtype=torch.long))
 
 
 def test_target_logits_on_a_vocabulary_subset(any_tiny_model):
-    states = capture.hidden_states(any_tiny_model, torch.randint(0, 128, (1, 6)))
+    states = forward.hidden_states(any_tiny_model, torch.randint(0, 128, (1, 6)))
     vocab_ids = torch.tensor([5, 0, 77, 127])
-    full = capture.target_logits(any_tiny_model, states[-1])
-    torch.testing.assert_close(capture.target_logits(any_tiny_model, states[-1], vocab_ids),
+    full = forward.target_logits(any_tiny_model, states[-1])
+    torch.testing.assert_close(forward.target_logits(any_tiny_model, states[-1], vocab_ids),
                                full[..., vocab_ids])
 
 
@@ -99,8 +99,8 @@ def test_valid_states_equal_stacked_gathered_then_converted(any_tiny_model):
     input_ids = torch.randint(0, 128, (2, 10))
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[1, 6:] = 0
-    stacked = capture.hidden_states(any_tiny_model, input_ids, mask)[:, mask.bool()]
-    states, last = capture.valid_states(any_tiny_model, input_ids, mask, torch.bfloat16)
+    stacked = forward.hidden_states(any_tiny_model, input_ids, mask)[:, mask.bool()]
+    states, last = forward.valid_states(any_tiny_model, input_ids, mask, torch.bfloat16)
     assert states.shape == (5, 16, 64) and states.dtype == torch.bfloat16
     assert torch.equal(states, stacked.to(torch.bfloat16))  # bit-identical stored values
     assert torch.equal(last, stacked[-1])
@@ -108,8 +108,8 @@ def test_valid_states_equal_stacked_gathered_then_converted(any_tiny_model):
 
 def test_forward_with_states_embedding_layer_and_kept_logits(any_tiny_model):
     input_ids = torch.randint(0, 128, (1, 7))
-    states = capture.hidden_states(any_tiny_model, input_ids)
-    logits, chosen, _ = capture.forward_with_states(any_tiny_model, (0, 2), input_ids,
+    states = forward.hidden_states(any_tiny_model, input_ids)
+    logits, chosen, _ = forward.forward_with_states(any_tiny_model, (0, 2), input_ids,
                                                     logits_to_keep=1)
     torch.testing.assert_close(chosen, torch.cat([states[0], states[2]], -1))
     torch.testing.assert_close(logits, any_tiny_model(input_ids).logits[:, -1:])

@@ -12,8 +12,9 @@ import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from actwave import cli, data
+from actwave.capture import data
 from actwave.eagle3.export import ENGINES, engine_reads
+from actwave.tools import cli
 
 SPECIAL = ["<|bos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
 CHAT_TEMPLATE = ("{{ '<|bos|>' }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content']"
@@ -85,7 +86,7 @@ def test_select_prints_sets_percentiles_and_engine_ids(model_folder, tmp_path, c
 def test_select_rerun_reads_the_cache_and_other_k(model_folder, tmp_path, monkeypatch, capsys):
     run(model_folder, tmp_path)  # makes the cache if the test above did not run
     capsys.readouterr()
-    monkeypatch.setattr("actwave.store.load", lambda *a, **k: pytest.fail("model reloaded"))
+    monkeypatch.setattr("actwave.capture.store.load", lambda *a, **k: pytest.fail("model reloaded"))
     result = run(model_folder, tmp_path, "--k", "2", "--engine", "vllm>=pr36063",
                  "--method", "mrmr")
     assert "eagle3_default" not in result["picks"]  # EAGLE-3's default exists for k = 3 only

@@ -1,4 +1,4 @@
-"""actwave.compare: regenerated tables against the committed ones, to stated tolerances."""
+"""actwave.tools.compare: regenerated tables against the committed ones, to stated tolerances."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import subprocess
 import pandas as pd
 import pytest
 
-from actwave import compare
+from actwave.tools import compare
 
 SELECTION = pd.DataFrame({
     "model": ["smollm2-135m", "smollm2-135m"],

@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from actwave import config, index
+from actwave.capture.store import CaptureConfig, store_dir
+from actwave.decoding.evaluate import EvalConfig
 from actwave.eagle3.train import TrainConfig
-from actwave.evaluate import EvalConfig
-from actwave.selection_report import DRAFT_SOURCES, SelectionConfig
-from actwave.store import CaptureConfig, store_dir
+from actwave.stats.selection_report import DRAFT_SOURCES, SelectionConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_RESULTS = ROOT / "results" / "cpu"
@@ -156,7 +156,7 @@ def test_results_dir_follows_the_environment(monkeypatch, tmp_path):
 def test_explain_default_compares_with_the_combined_method():
     from test_selection import random_stats
 
-    from actwave.selection_report import compare_methods, explain_default
+    from actwave.stats.selection_report import compare_methods, explain_default
 
     stats = random_stats(12, seed=6)
     rows = compare_methods(stats, {"eagle3_default": ("eagle3_default", {}),

@@ -15,15 +15,15 @@ import torch.multiprocessing as mp
 from conftest import random_sequences, save_tiny_llama, tiny_model, tiny_store
 from safetensors.torch import load_file, save_file
 
-from actwave import metrics as M
-from actwave.analysis import AnalysisConfig, compute_layer_stats
+from actwave.capture.store import CaptureStore
 from actwave.config import config_hash
-from actwave.distributed import layer_stats_all_processes
 from actwave.eagle3 import Eagle3Draft
 from actwave.eagle3 import train as train_mod
 from actwave.eagle3.online import OnlineSource, online_batch, train_online
 from actwave.eagle3.ttt import TTTLoss
-from actwave.store import CaptureStore
+from actwave.stats import metrics as M
+from actwave.stats.analysis import AnalysisConfig, compute_layer_stats
+from actwave.stats.distributed import layer_stats_all_processes
 
 LAYERS = (1, 2, 3)
 ANALYSIS = AnalysisConfig(filter="quantile", filter_value=0.3)
@@ -191,8 +191,8 @@ def test_online_command_line_trains_from_a_model_folder(tmp_path, monkeypatch):
 
 
 def test_statistics_command_line_in_one_process(tmp_path, monkeypatch, capsys):
-    """``python -m actwave.distributed`` without a process group is the one-process pass."""
-    from actwave import distributed
+    """``python -m actwave.stats.distributed`` without a process group is the one-process pass."""
+    from actwave.stats import distributed
 
     monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
     (tmp_path / "store").mkdir()

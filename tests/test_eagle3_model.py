@@ -5,7 +5,7 @@ from conftest import TINY, tiny_model
 from transformers import DynamicCache, LlamaConfig
 
 from actwave.eagle3 import Eagle3Config, Eagle3Draft, build_draft_vocab, coverage, token_frequencies
-from actwave.eagle3.model import RotaryEmbedding
+from actwave.eagle3.layers import RotaryEmbedding
 
 
 def make_draft(target, layer_ids=(1, 2, 4), draft_vocab_size=48):
@@ -115,7 +115,7 @@ def test_check_target_names_model(llama):
     draft = make_draft(llama)
     draft.config.target_model = "org/model-a"
     other = tiny_model("llama")
-    other.name_or_path = "org/model-b"  # where actwave.models.load records the name
+    other.name_or_path = "org/model-b"  # where actwave.capture.models.load records the name
     with pytest.raises(ValueError, match="model-b"):
         draft.check_target(other)
     draft.check_target(other, check_name=False)
@@ -310,7 +310,7 @@ def test_lm_head_init_random_differs_from_target(llama):
 
 @pytest.mark.real_model
 def test_real_smollm2_draft_round_trip(smollm2, tmp_path):
-    from actwave.capture import forward_with_states
+    from actwave.capture.forward import forward_with_states
     target, tokenizer = smollm2
     draft = Eagle3Draft.from_target(target, (2, 15, 27), draft_vocab_size=8192).eval()
     assert draft.config.target_model == "smollm2-135m" and draft.config.target_num_layers == 30

@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import random_sequences, tiny_model, tiny_store
 
-from actwave.capture import hidden_states
+from actwave.capture.forward import hidden_states
 from actwave.eagle3 import Eagle3Draft
 from actwave.eagle3 import train as train_mod
 from actwave.eagle3.ttt import ttt_attention_mask, unroll

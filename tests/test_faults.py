@@ -17,11 +17,12 @@ import torch
 from conftest import tiny_model
 from safetensors.torch import load_file, save
 
-from actwave import analysis, store
+from actwave.capture import store
 from actwave.config import cache_dir
 from actwave.eagle3 import Eagle3Draft
 from actwave.eagle3 import train as train_mod
 from actwave.integrity import IntegrityError, LockedError, WriterLock, bytes_record
+from actwave.stats import analysis
 
 FORK = multiprocessing.get_context("fork")  # children inherit the tiny models: no re-import
 TRAIN = dict(layer_ids=(1, 2, 3), ttt_steps=2, total_steps=6, warmup_steps=1, batch_size=2,
@@ -353,7 +354,7 @@ def test_finished_draft_from_another_store_is_refused(target, trained, tmp_path)
 
 @pytest.mark.parametrize("ids", [[[5, 49152]], [[-1, 5]], [[5.0, 6.0]]])
 def test_generate_refuses_token_ids_outside_the_vocabulary(target, ids):
-    from actwave import speculative
+    from actwave.decoding import speculative
 
     draft = Eagle3Draft.from_target(target, (1, 2, 3), 64)
     with pytest.raises(ValueError, match=r"token ids in 0..49151"):

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from actwave import runplan
+from actwave.tools import runplan
 from conftest import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,5 @@
-"""actwave.metrics against independent routes (numpy Gram space, Kornblith's demo formulas)."""
+"""actwave.stats.metrics against independent routes (numpy Gram space, Kornblith's demo
+formulas)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from actwave import metrics as M
+from actwave.stats import metrics as M
 
 
 # ----------------------------------------------------------------------------- references

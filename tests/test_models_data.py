@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import BertConfig
 
-from actwave import data, models
+from actwave.capture import data, models
 
 
 def test_unknown_model_lists_known_names():

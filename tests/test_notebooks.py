@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from actwave.runplan import select_notebooks
+from actwave.tools.runplan import select_notebooks
 from conftest import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]

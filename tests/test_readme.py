@@ -6,8 +6,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DECIMAL = re.compile(r"(?<![\w.])-?\d+\.\d+")
 
 
-def results_block(readme: str) -> str:
-    return readme.split("<!-- results:start -->", 1)[1].split("<!-- results:end -->", 1)[0]
+def results_block(readme: str, name: str = "results") -> str:
+    return readme.split(f"<!-- {name}:start -->", 1)[1].split(f"<!-- {name}:end -->", 1)[0]
 
 
 def table_decimals(block: str) -> list[str]:
@@ -35,6 +35,15 @@ def test_readme_result_tables_come_from_the_cpu_tables():
     assert len(printed) > 20  # the block has its tables
     missing = unbacked(printed, committed_values(ROOT / "results" / "cpu"))
     assert not missing, f"README numbers in no results/cpu table: {missing}"
+
+
+def test_readme_study_numbers_come_from_the_study_tables():
+    """Every decimal in the study block, prose included, is in a results/study table."""
+    block = results_block((ROOT / "README.md").read_text(), "study")
+    printed = DECIMAL.findall(block)
+    assert len(printed) > 20
+    missing = unbacked(printed, committed_values(ROOT / "results" / "study"))
+    assert not missing, f"README study numbers in no results/study table: {missing}"
 
 
 def test_a_number_no_table_holds_is_caught():

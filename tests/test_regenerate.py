@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from actwave import data, regenerate as regen
+from actwave.capture import data, regenerate as regen
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +103,33 @@ def test_cache_hit_never_generates(tiny_target, tokenizer, monkeypatch):
     monkeypatch.setattr(tiny_target, "generate", fail)
     monkeypatch.setattr(regen, "load", fail)
     assert regen.regenerate(config, progress=False).to_list() == first.to_list()
+
+
+def test_pinned_text_restores_an_empty_cache_without_generating(tiny_target, tokenizer,
+                                                                 monkeypatch, tmp_path):
+    config = _fresh(_config(seed=204, n_conversations=3))
+    assert regen.pin(config, tmp_path) is None  # nothing finished yet
+    first = regen.regenerate(config, tiny_target, tokenizer, progress=False)
+    pinned = regen.pin(config, tmp_path)
+    assert pinned.name == regen.output_dir(config).name
+    _fresh(config)  # another machine: empty cache, committed pinned copy
+
+    def fail(*args, **kwargs):
+        raise AssertionError("restored text must not be regenerated")
+    monkeypatch.setattr(tiny_target, "generate", fail)
+    monkeypatch.setattr(regen, "load", fail)
+    assert regen.restore(config, tmp_path)
+    assert regen.regenerate(config, progress=False).to_list() == first.to_list()
+    assert not regen.restore(config, tmp_path)  # a finished cache is left alone
+
+
+def test_pinned_text_of_another_config_is_refused(tiny_target, tokenizer, tmp_path):
+    config = _fresh(_config(seed=205, n_conversations=2))
+    regen.regenerate(config, tiny_target, tokenizer, progress=False)
+    other = _config(seed=206, n_conversations=2)
+    shutil.copytree(regen.pin(config, tmp_path), tmp_path / regen.output_dir(_fresh(other)).name)
+    with pytest.raises(ValueError, match="pinned regeneration .* made under config"):
+        regen.restore(other, tmp_path)
 
 
 def test_regenerated_conversations_keep_user_turns(tiny_target, tokenizer):

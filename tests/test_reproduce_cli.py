@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from actwave import runplan
+from actwave.tools import runplan
 
 ROOT = Path(__file__).resolve().parents[1]
 STAMPED = ("requirements.txt", "requirements-assets.txt", "pyproject.toml")
@@ -159,7 +159,7 @@ def test_run_log_is_quiet_and_names_what_the_step_wrote(tmp_path):
     source = tmp_path / "notebooks" / "05_probe.py"
     source.write_text(PROBE)
     (tmp_path / "profiles" / "smoke.yaml").write_text('label: "tweaked"\nlr: 0.1\n')
-    script = ("import pathlib, sys; from actwave import runplan; "
+    script = ("import pathlib, sys; from actwave.tools import runplan; "
               "runplan.repo_root = lambda: pathlib.Path(sys.argv[1]); "
               "sys.exit(runplan.main(sys.argv[2:]))")
     result = subprocess.run(

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from actwave import selection, selection_report
-from actwave import metrics
-from actwave.metrics import LayerStats, layer_stats
+from actwave.stats import selection, selection_report
+from actwave.stats import metrics
+from actwave.stats.metrics import LayerStats, layer_stats
 
 
 def make_stats(entropy, cka, renyi2=None) -> LayerStats:

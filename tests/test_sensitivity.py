@@ -1,4 +1,4 @@
-"""actwave.sensitivity and the metrics/analysis pieces it adds (row normalisation, top
+"""actwave.stats.sensitivity and the metrics/analysis pieces it adds (row normalisation, top
 eigenvalue share, all-pairs Gram-route CKA, resolution of the compartments), on tiny
 synthetic data and a tiny capture store in the real shard format."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ import torch
 from test_analysis import write_store
 from test_metrics import block_cka
 
-from actwave import metrics as M
-from actwave import sensitivity as S
-from actwave.analysis import AnalysisConfig, _cache_key, compute_layer_stats, token_keep_mask
-from actwave.analysis import token_settings
+from actwave.capture.store import CaptureStore
 from actwave.config import config_hash
-from actwave.store import CaptureStore
+from actwave.stats import metrics as M
+from actwave.stats import sensitivity as S
+from actwave.stats.analysis import AnalysisConfig, _cache_key, compute_layer_stats, token_keep_mask
+from actwave.stats.analysis import token_settings
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
 """Speculative decoding: greedy exactness (chain/tree, random and oracle drafts, EOS, max
 length; Llama, Qwen3, Gemma3 with sliding windows), tree mechanics, sampling in law, errors."""
+import time
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -7,14 +9,15 @@ import torch
 from scipy.stats import chisquare
 from transformers import DynamicCache
 
+from actwave.decoding.costmodel import CostCurve
+from actwave.decoding.evaluate import (EvalConfig, acceptance_by_position, bootstrap_ci,
+                                       build_methods, evaluate, read_selection_scores, run_item,
+                                       summarize, tau_vs_scores)
+from actwave.decoding.speculative import (accept_greedy, generate, greedy_generate, keep_cache_rows,
+                                          packed_gqa_attention)
+from actwave.decoding.timing import SectionClock
+from actwave.decoding.tree import DraftTree, ancestor_mask, build_tree, target_tree_mask
 from actwave.eagle3 import Eagle3Draft
-from actwave.evaluate import (EvalConfig, acceptance_by_position, bootstrap_ci, build_methods,
-                              evaluate, read_selection_scores, run_item, summarize,
-                              tau_vs_scores)
-from actwave.costmodel import CostCurve
-from actwave.speculative import (accept_greedy, generate, greedy_generate, keep_cache_rows,
-                                 packed_gqa_attention)
-from actwave.tree import DraftTree, ancestor_mask, build_tree, target_tree_mask
 from conftest import tiny_model
 
 SETTINGS = {"chain": dict(mode="chain", depth=5),
@@ -416,3 +419,16 @@ def test_evaluate_resumes_only_records_of_the_same_draft_weights(llama, tmp_path
     assert retrained.fingerprint() != draft.fingerprint()
     evaluate(llama, StubTokenizer(), {"d": retrained}, config, [], out_dir=tmp_path)
     assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_section_clock_adds_laps_to_their_section_and_refuses_unknown_ones():
+    clock = SectionClock(torch.device("cpu"), ("draft", "verify"))
+    tick = clock.lap("draft", clock.start)
+    time.sleep(0.02)  # a known lower bound for the section it lands in
+    tick = clock.lap("verify", tick)
+    timings = clock.finish()
+    assert set(timings) == {"draft", "verify", "total"}
+    assert timings["verify"] >= 0.02 > timings["draft"]
+    assert timings["draft"] + timings["verify"] <= timings["total"]
+    with pytest.raises(ValueError, match="unknown timing section 'accept'.*'draft', 'verify'"):
+        clock.lap("accept", tick)

@@ -1,10 +1,11 @@
-"""actwave.steplog: the per-step cost log reproduce.sh writes (wall time, memory, exit code)."""
+"""actwave.tools.steplog: the per-step cost log reproduce.sh writes (wall time, memory, exit
+code)."""
 from __future__ import annotations
 
 import csv
 import sys
 
-from actwave import steplog
+from actwave.tools import steplog
 
 # Holds ~200 MB resident for 2.5 s in a grandchild, the way papermill holds its kernel.
 ALLOCATE = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from actwave import store
+from actwave.capture import store
 from actwave.integrity import IntegrityError
 
 

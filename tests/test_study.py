@@ -1,5 +1,6 @@
 """The layer-set study: the sets, the records (resume from the repo), the statistics."""
 import itertools
+import json
 import math
 
 import numpy as np
@@ -8,8 +9,9 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from actwave import selection, study, study_report, study_stats
-from actwave.metrics import layer_stats
+from actwave.stats import selection
+from actwave.stats.metrics import layer_stats
+from actwave.study import report, runs, stats as study_stats
 from conftest import tiny_model
 from test_eagle3_train import _tiny_store
 
@@ -30,23 +32,23 @@ def config(**changes):
                   ttt_steps=2, lr=1e-3, draft_vocab_size=64, train_dtype="float32",
                   checkpoint_every=3, depth=2, tree_top_k=3, n_random=6, n_seeds=3,
                   extra_k="2,4", curve_factor=2)
-    return study.StudyConfig(**{**values, **changes})
+    return runs.StudyConfig(**{**values, **changes})
 
 
 @pytest.mark.parametrize("num_layers", range(7, 41))
 def test_eagle3_rule_extends_the_default(num_layers):
-    assert study.eagle3_rule(num_layers, 3) == selection.eagle3_default(num_layers)
-    assert study.eagle3_rule(num_layers, 2) == (2, num_layers - 3)
+    assert runs.eagle3_rule(num_layers, 3) == selection.eagle3_default(num_layers)
+    assert runs.eagle3_rule(num_layers, 2) == (2, num_layers - 3)
     if num_layers >= 10:
-        assert len(study.eagle3_rule(num_layers, 4)) == 4
+        assert len(runs.eagle3_rule(num_layers, 4)) == 4
     else:
         with pytest.raises(ValueError, match="distinct layers"):
-            study.eagle3_rule(num_layers, 4)
+            runs.eagle3_rule(num_layers, 4)
 
 
 def test_study_sets_are_distinct_and_seeded_as_specified():
     stats = {"all": synthetic_stats(0), "filtered": synthetic_stats(1)}
-    sets = study.study_sets(stats, N, config())
+    sets = runs.study_sets(stats, N, config())
     layer_sets = [s.layer_ids for s in sets]
     assert len(layer_sets) == len(set(layer_sets))
     default = [s for s in sets if s.kind == "default"]
@@ -64,7 +66,7 @@ def test_stratified_random_draws_from_each_third():
     candidates = range(1, N + 1)
     subsets = selection.all_subsets(list(candidates), 3)
     cuts = np.quantile(score(subsets).numpy(), [1 / 3, 2 / 3])
-    picks = study.stratified_random(score, candidates, 3, 9, exclude=[(1, 2, 3)], seed=0)
+    picks = runs.stratified_random(score, candidates, 3, 9, exclude=[(1, 2, 3)], seed=0)
     assert len({layers for _, layers in picks}) == 9 and (1, 2, 3) not in dict(picks).values()
     for label, layers in picks:
         value = float(score(torch.tensor([layers]))[0])
@@ -76,8 +78,8 @@ def test_stratified_random_draws_from_each_third():
 
 
 def test_draft_order_puts_first_seeds_first():
-    sets = [study.StudySet("a", (1,), "default", 3), study.StudySet("b", (2,), "random", 1)]
-    assert [(s.label, i) for s, i in study.draft_order(sets)] == [
+    sets = [runs.StudySet("a", (1,), "default", 3), runs.StudySet("b", (2,), "random", 1)]
+    assert [(s.label, i) for s, i in runs.draft_order(sets)] == [
         ("a", 0), ("b", 0), ("a", 1), ("a", 2)]
 
 
@@ -95,36 +97,36 @@ def tiny_study(tmp_path_factory):
 
 def test_run_draft_writes_a_record_and_a_rerun_reads_it(tiny_study, monkeypatch):
     target, stores, root = tiny_study
-    study_set = study.StudySet("eagle3_default", (1, 2, 3), "default", 1)
-    record = study.run_draft(study_set, 0, config(), target, stores, root / "results",
-                             root / "drafts")
+    study_set = runs.StudySet("eagle3_default", (1, 2, 3), "default", 1)
+    record = runs.run_draft(study_set, 0, config(), target, stores, root / "results",
+                            root / "drafts")
     assert record["offline"]["tau_hat"] >= 1.0
     assert len(record["offline"]["per_sequence"]) == 4
     assert all(r["roots"] > 0 for r in record["offline"]["per_sequence"])
-    assert study.record_path(root / "results", "eagle3_default", 0).exists()
+    assert runs.record_path(root / "results", "eagle3_default", 0).exists()
 
     def no_training(*args, **kwargs):
         raise AssertionError("a finished record must not be retrained")
 
-    monkeypatch.setattr(study, "train_draft", no_training)
-    again = study.run_draft(study_set, 0, config(), target, stores, root / "results",
-                            root / "drafts")
+    monkeypatch.setattr(runs, "train_draft", no_training)
+    again = runs.run_draft(study_set, 0, config(), target, stores, root / "results",
+                           root / "drafts")
     assert again == record
     with pytest.raises(AssertionError, match="must not be retrained"):  # another budget
-        study.run_draft(study_set, 0, config(train_steps=4), target, stores,
-                        root / "results", root / "drafts")
-    path = study.record_path(root / "results", "eagle3_default", 0)
+        runs.run_draft(study_set, 0, config(train_steps=4), target, stores,
+                       root / "results", root / "drafts")
+    path = runs.record_path(root / "results", "eagle3_default", 0)
     path.write_text(path.read_text().replace('"train": "', '"train": "other-text-'))
     with pytest.raises(AssertionError, match="must not be retrained"):  # other held-out text
-        study.run_draft(study_set, 0, config(), target, stores, root / "results",
-                        root / "drafts")
+        runs.run_draft(study_set, 0, config(), target, stores, root / "results",
+                       root / "drafts")
 
 
 def test_curve_run_records_offline_tau_per_checkpoint(tiny_study):
     target, stores, root = tiny_study
-    study_set = study.StudySet("eagle3_default", (1, 2, 3), "default", 1)
-    record = study.run_draft(study_set, 0, config(train_steps=4), target, stores,
-                             root / "curve", root / "drafts", steps_factor=2)
+    study_set = runs.StudySet("eagle3_default", (1, 2, 3), "default", 1)
+    record = runs.run_draft(study_set, 0, config(train_steps=4), target, stores,
+                            root / "curve", root / "drafts", steps_factor=2)
     assert [p["step"] for p in record["curve"]] == [2, 4, 6, 8]
     assert all(p["tau_hat"] >= 1.0 for p in record["curve"])
     assert record["curve"][-1]["tokens"] > record["curve"][0]["tokens"]
@@ -135,7 +137,7 @@ def test_corrupted_record_names_the_file(tmp_path):
     path.parent.mkdir()
     path.write_text("{not json")
     with pytest.raises(ValueError, match="x__seed0.json"):
-        study.load_record(path)
+        runs.load_record(path)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -195,19 +197,27 @@ def test_permutation_p_matches_exact_enumeration():
 def test_summary_and_correlations_over_sets():
     rng = np.random.default_rng(2)
     records = fake_records("eagle3_default", rng.integers(2, 8, (3, 20)), kind="default")
-    sets_rows = [{"label": "eagle3_default", **{f"{p}_{s}": 0.0 for p in study.PROXIES
-                                                 for s in study.SETTINGS}}]
+    sets_rows = [{"label": "eagle3_default", **{f"{p}_{s}": 0.0 for p in runs.PROXIES
+                                                 for s in runs.SETTINGS}}]
     for i in range(6):
         records += fake_records(f"r{i}", rng.integers(0, 3, (1, 20)) + i, kind="random")
-        sets_rows.append({"label": f"r{i}", **{f"{p}_{s}": float(i) for p in study.PROXIES
-                                               for s in study.SETTINGS}})
-    summary = study_report.summary_table(records, n_bootstrap=200)
+        sets_rows.append({"label": f"r{i}", **{f"{p}_{s}": float(i) for p in runs.PROXIES
+                                               for s in runs.SETTINGS}})
+    summary = report.summary_table(records, n_bootstrap=200)
     assert summary["tau_hat"].is_monotonic_decreasing
     assert summary.loc[summary["label"] == "r5", "vs_default_ci_low"].isna().all()
-    correlations = study_report.proxy_correlations(summary, pd.DataFrame(sets_rows),
-                                                   n_permutations=500)
+    correlations = report.proxy_correlations(summary, pd.DataFrame(sets_rows),
+                                             n_permutations=500)
     proxy = [0.0 if label == "eagle3_default" else float(label[1]) for label in summary["label"]]
     expected = scipy_stats.spearmanr(proxy, summary["tau_hat"])[0]
     assert (correlations["n"] == 7).all()
     assert correlations["spearman"].to_numpy() == pytest.approx(expected)
-    assert study_report.noise_floor(summary) > 0
+    assert report.noise_floor(summary) > 0
+
+
+def test_stores_index_keeps_other_models_and_names_notebook_08(tmp_path):
+    assert runs.read_stores_index(tmp_path) == {}
+    (tmp_path / runs.STORES_INDEX).write_text(json.dumps({"smollm2-135m": {"train": "x"}}))
+    assert set(runs.read_stores_index(tmp_path)) == {"smollm2-135m"}
+    with pytest.raises(ValueError, match="no stores for 'gemma3-270m'.*notebook 08"):
+        runs.open_stores(tmp_path, "gemma3-270m")

@@ -3,9 +3,9 @@ on hand-made cost curves, and the measured, cached cost curve of a tiny target."
 import pytest
 import torch
 
-from actwave import costmodel
+from actwave.decoding import costmodel
+from actwave.decoding.tree import choose_shape, node_values, rank_acceptance
 from actwave.eagle3 import Eagle3Draft
-from actwave.tree import choose_shape, node_values, rank_acceptance
 
 
 def test_rank_acceptance_from_chain_and_top_k_reach():

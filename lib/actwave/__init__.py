@@ -1,7 +1,17 @@
 """actwave: which hidden-state layers of an LLM should feed an EAGLE-3 draft.
 
 Reproduces "Surfing the Activation Wave" (information and geometry of hidden states for
-speculative decoding). Modules: models, data, capture, store, regenerate, metrics,
-analysis, selection, selection_report, eagle3, speculative, tree, evaluate, plots, config.
+speculative decoding). One subpackage per stage, in pipeline order:
+
+- ``capture``  target models, prompt data, hooked forward pass, the hidden-state store
+- ``stats``    per-layer entropy and CKA, layer selection and its reports, sensitivity
+- ``eagle3``   the draft: config, layers, model, vocabulary, TTT training, engine exports
+- ``decoding`` speculative decoding, draft trees, timing, cost model, acceptance, evaluation
+- ``study``    the layer-set study: runs and records, statistics, report
+
+Shared by every stage: ``config`` (artifact keys, atomic writes), ``integrity``
+(verified artifacts, writer locks), ``index`` (notebook hand-over files), ``plots``
+(tables, figures, manifests). ``tools``: the command lines (``python -m actwave select``,
+``reproduce.sh``'s runner, step log and ``--compare``).
 """
 __version__ = "0.1.0"

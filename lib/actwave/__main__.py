@@ -1,6 +1,6 @@
-"""``python -m actwave <command>``: see ``actwave.cli``."""
+"""``python -m actwave <command>``: see ``actwave.tools.cli``."""
 import sys
 
-from actwave.cli import main
+from actwave.tools.cli import main
 
 sys.exit(main())

@@ -58,7 +58,7 @@ def artifact_dir(stage: str, config: Any, name: str = "run") -> Path:
     """``cache_dir()/stage/name-hash`` for a config (created); ``name`` is a plain stem."""
     if not name or "/" in name or "\\" in name or name.startswith("."):
         raise ValueError(f"artifact name must be a plain folder name (no '/', '\\' or "
-                         f"leading '.'), got {name!r}; for a model use actwave.models.slug")
+                         f"leading '.'), got {name!r}; for a model use actwave.capture.models.slug")
     path = cache_dir() / stage / f"{name}-{config_hash(config)}"
     path.mkdir(parents=True, exist_ok=True)
     return path

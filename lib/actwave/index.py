@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from actwave.capture.models import slug
+from actwave.capture.store import CaptureConfig, CaptureStore, store_dir
 from actwave.config import artifact_dir, cache_dir, to_jsonable
-from actwave.models import slug
-from actwave.store import CaptureConfig, CaptureStore, store_dir
 
 STORES = "01_stores"
 CANDIDATE_SETS = "05_candidate_sets"

@@ -29,7 +29,8 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from actwave import config, selection
+from actwave import config
+from actwave.stats import selection
 
 FIGURE_FORMATS = ("png", "pdf")
 FIGURE_DPI = 150

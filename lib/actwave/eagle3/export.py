@@ -31,8 +31,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from actwave.config import atomic_write_json, package_versions
-from actwave.eagle3.model import (WEIGHTS_NAME, Eagle3Config, Eagle3Draft, flat_rope_parameters,
-                                  save_tensors, target_text_config)
+from actwave.eagle3.config import Eagle3Config, flat_rope_parameters, target_text_config
+from actwave.eagle3.model import WEIGHTS_NAME, Eagle3Draft, save_tensors
 from actwave.eagle3.vocab import build_draft_vocab
 
 SPECULATORS_FORMAT_VERSION = "0.9.0"

@@ -7,14 +7,11 @@ layer (``midlayer``) that ties them together.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:  # model.py imports this module; the config is needed for hints only
-    from actwave.eagle3.model import Eagle3Config
+from actwave.eagle3.config import Eagle3Config
 
 
 class RMSNorm(nn.Module):

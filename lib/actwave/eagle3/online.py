@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from actwave.capture import forward_with_states
+from actwave.capture.forward import forward_with_states
+from actwave.capture.models import DTYPES, load
+from actwave.capture.store import SOURCES, CaptureConfig, CaptureStore, check_model, tokenize_split
 from actwave.config import config_hash, to_jsonable
 from actwave.eagle3.train import (TrainConfig, TrainResult, _one_writer, _pad, add_config_arguments,
                                   config_from_args, fit, trained_positions)
 from actwave.eagle3.vocab import draft_target_ids
-from actwave.models import DTYPES, load
-from actwave.store import SOURCES, CaptureConfig, CaptureStore, check_model, tokenize_split
 
 
 @dataclass

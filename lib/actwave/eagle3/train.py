@@ -1,9 +1,9 @@
 """Training EAGLE-3 drafts from a capture store (no target forward passes).
 
-The capture store (``actwave.store``) holds every layer's hidden state per token, so a
+The capture store (``actwave.capture.store``) holds every layer's hidden state per token, so a
 draft for any layer set trains from it alone: the draft's k layers are its input and the
 target's soft labels are recomputed from the stored ℓ=N state with the target's final
-norm + LM head (``actwave.capture.target_logits``). The target object is needed only for
+norm + LM head (``actwave.capture.forward.target_logits``). The target object is needed only for
 that head and for the frozen input embedding. The unrolled loss is in ``ttt.py``.
 
 Optimisation follows SafeAILab/EAGLE ``traineagle3`` / SpecForge: AdamW β=(0.9, 0.95),
@@ -40,7 +40,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from tqdm import tqdm
 
-from actwave.capture import target_logits
+from actwave.capture.forward import target_logits
 from actwave.config import atomic_write_bytes, atomic_write_json, config_hash, save_config
 from actwave.eagle3.model import Eagle3Draft
 from actwave.eagle3.ttt import TTTLoss, TTTOutput
@@ -463,7 +463,7 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
     ``eval.csv`` (held-out loss_i / acc_i per checkpoint when ``eval_store`` is given),
     ``draft/`` (the final ``save_pretrained``) and ``config.json`` (this config, store
     hash, seconds, final held-out metrics). ``eval_fn(draft) -> dict`` adds its numbers
-    (e.g. offline acceptance, ``actwave.acceptance``) to each checkpoint's eval row.
+    (e.g. offline acceptance, ``actwave.decoding.acceptance``) to each checkpoint's eval row.
     One writer per out_dir (``WriterLock``); a finished out_dir trained on another store
     is refused; a finished draft that fails its checksum is rebuilt from the last
     checkpoint; a non-finite loss or gradient stops the run (FloatingPointError) with the
@@ -605,8 +605,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from accelerate import Accelerator
 
-    from actwave.models import load
-    from actwave.store import CaptureStore
+    from actwave.capture.models import load
+    from actwave.capture.store import CaptureStore
 
     parser = argparse.ArgumentParser(description="Train one EAGLE-3 draft from a capture store.")
     parser.add_argument("--model", required=True, help="bundled name, HF id or local path")

@@ -1,0 +1,640 @@
+"""Matrix entropy, linear CKA and token-entropy filtering of hidden states (pure math).
+
+Conventions (docs/METHODS.md §4, §7): Z is ``(n_tokens, d)``; rows are centred by the
+token mean; all spectra and sums are float64. Matrix entropy uses the d×d covariance
+ZᶜᵀZᶜ, which has the same non-zero spectrum as the n×n Gram ZᶜZᶜᵀ (Skean et al. 2025,
+"Layer by Layer"). Linear CKA is Kornblith et al. 2019 in feature space; the debiased
+variant replaces every HSIC by the Székely–Rizzo / Song et al. U-statistic, written, as in
+Kornblith's CKA demo, in terms of ‖XᵀY‖², the row squared norms r and their sums.
+
+Everything here is device-agnostic: results live on the inputs' device.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+# Debiased HSIC needs n(n-3) > 0.
+MIN_TOKENS_DEBIASED = 4
+# Tokens per float64 working chunk of StreamingLayerStats.
+CHUNK_TOKENS = 1024
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_alpha(alpha: float) -> float:
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0:
+        raise ValueError(f"alpha must be a number > 0 (1 = Shannon, else Rényi), got {alpha!r}")
+    return float(alpha)
+
+
+def _check_matrix(Z: Tensor, name: str, min_tokens: int = 2) -> None:
+    if not isinstance(Z, Tensor) or Z.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D tensor (n_tokens, d), got "
+                         f"{getattr(Z, 'shape', type(Z))}")
+    if Z.shape[0] < min_tokens:
+        raise ValueError(f"{name} has {Z.shape[0]} tokens; at least {min_tokens} are needed")
+    if not torch.isfinite(Z).all():
+        raise ValueError(f"{name} contains NaN or inf values")
+
+
+def _check_layers_finite(layer_sums: Tensor, layers: Sequence[int]) -> None:
+    """Raise naming the first layer (index from ``layers``) whose token sums ``(L, d)`` are
+    not finite: a NaN/inf anywhere in a layer reaches its float64 sum, and this is far
+    cheaper than an elementwise check of the whole chunk."""
+    finite_rows = torch.isfinite(layer_sums).all(dim=1)  # (L,)
+    if not finite_rows.all():
+        bad = int((~finite_rows).nonzero()[0])
+        raise ValueError(f"hidden states of layer {layers[bad]} (row {bad}) contain NaN or inf")
+
+
+def _centre(Z: Tensor) -> Tensor:
+    """Float64 copy of ``Z: (n, d)`` with the token mean removed."""
+    Z = Z.to(torch.float64)
+    return Z - Z.mean(dim=0, keepdim=True)
+
+
+# ----------------------------------------------------------------------------- entropy
+def entropy_from_cov(cov: Tensor, alpha: float = 1.0, n: int | None = None,
+                     normalize: bool = False) -> Tensor:
+    """Matrix entropy (nats) of a covariance ``cov: (d, d)``.
+
+    p = eigvals / trace (eigenvalues at round-off level set to 0); α = 1: −Σ p log p
+    (0·log 0 = 0); else Rényi log(Σ p^α) / (1 − α). ``normalize`` divides by log min(n, d), the maximum, so the
+    result lies in [0, 1]; it needs the token count ``n``.
+    """
+    alpha = _check_alpha(alpha)
+    if cov.ndim != 2 or cov.shape[0] != cov.shape[1]:
+        raise ValueError(f"cov must be square (d, d), got {tuple(cov.shape)}")
+    eigvals = torch.linalg.eigvalsh(cov.to(torch.float64))
+    # Round-off eigenvalues (below the matrix_rank tolerance d·eps·λ_max) count as 0: they
+    # would otherwise add spurious mass to Rényi entropies with α < 1.
+    tolerance = eigvals.max().clamp(min=0) * cov.shape[0] * torch.finfo(torch.float64).eps
+    eigvals = torch.where(eigvals > tolerance, eigvals, torch.zeros_like(eigvals))
+    total = eigvals.sum()
+    if not total > 0:
+        raise ValueError("covariance has zero trace: all tokens are identical")
+    probs = eigvals / total
+    if alpha == 1.0:
+        entropy = -torch.special.xlogy(probs, probs).sum()
+    else:
+        entropy = torch.log(probs.pow(alpha).sum()) / (1.0 - alpha)
+    if not normalize:
+        return entropy
+    if n is None:
+        raise ValueError("normalize=True needs the token count n (bound log min(n, d))")
+    rank_bound = min(int(n), cov.shape[0])
+    if rank_bound < 2:
+        raise ValueError(f"cannot normalise: log min(n={n}, d={cov.shape[0]}) is 0")
+    return entropy / math.log(rank_bound)
+
+
+def top_eigen_share(cov: Tensor) -> float:
+    """λ_max / Σλ of a covariance ``cov: (d, d)`` (eigenvalues clamped at 0), in (0, 1].
+
+    Near 1 when one direction carries the variance, as outlier (massive-activation)
+    dimensions do; 1/d for an isotropic covariance.
+    """
+    if cov.ndim != 2 or cov.shape[0] != cov.shape[1]:
+        raise ValueError(f"cov must be square (d, d), got {tuple(cov.shape)}")
+    eigvals = torch.linalg.eigvalsh(cov.to(torch.float64)).clamp(min=0)
+    total = eigvals.sum()
+    if not total > 0:
+        raise ValueError("covariance has zero trace: all tokens are identical")
+    return float(eigvals[-1] / total)
+
+
+def unit_rows(hidden: Tensor) -> Tensor:
+    """``hidden: (..., d)`` in float32 with every token vector scaled to unit L2 norm.
+
+    The row-normalised variant of the statistics (as Skean et al. 2025 do): a token's
+    overall scale, e.g. a massive activation, no longer weighs in. Zero rows stay zero.
+    """
+    return torch.nn.functional.normalize(hidden.to(torch.float32), dim=-1)
+
+
+def matrix_entropy(Z: Tensor, alpha: float = 1.0, normalize: bool = False) -> Tensor:
+    """Matrix entropy (nats) of ``Z: (n_tokens, d)``, tokens centred; see ``entropy_from_cov``."""
+    _check_matrix(Z, "Z")
+    Zc = _centre(Z)
+    return entropy_from_cov(Zc.T @ Zc, alpha, n=Z.shape[0], normalize=normalize)
+
+
+# ----------------------------------------------------------------------------- CKA
+def _unbiased_hsic(xty: Tensor, rx_dot_ry: Tensor, sum_rx: Tensor, sum_ry: Tensor,
+                   n: int) -> Tensor:
+    """n(n−3)·HSIC₁ for linear kernels on centred features (Song et al. 2012).
+
+    With K = XXᵀ, L = YYᵀ (centred, so K1 = 0) and zeroed diagonals, the U-statistic
+    tr(K̃L̃) + 1ᵀK̃1·1ᵀL̃1/((n−1)(n−2)) − 2/(n−2)·1ᵀK̃L̃1 reduces to
+    ‖XᵀY‖² − n/(n−2)·r_x·r_y + (Σr_x)(Σr_y)/((n−1)(n−2)), r = row squared norms.
+    Works elementwise on tensors of pair statistics.
+    """
+    return (xty - n / (n - 2.0) * rx_dot_ry
+            + sum_rx * sum_ry / ((n - 1.0) * (n - 2.0)))
+
+
+def _check_varying(self_x: Tensor, self_y: Tensor) -> None:
+    """CKA divides by ‖XᵀX‖·‖YᵀY‖: zero when a side is constant over the tokens (0/0 = NaN)."""
+    for name, value in (("X", self_x), ("Y", self_y)):
+        if not float(value) > 0:
+            raise ValueError(f"{name} is constant over the tokens (no variance in any feature): "
+                             "CKA is undefined for it")
+
+
+def _cka_ratio(cross: Tensor, self_x: Tensor, self_y: Tensor) -> Tensor:
+    return cross / torch.sqrt(self_x * self_y)
+
+
+def _feature_moments(Xc: Tensor, Yc: Tensor) -> dict[str, Tensor]:
+    """‖XᵀY‖², ‖XᵀX‖², ‖YᵀY‖² and the row-norm terms of centred ``(n, d)`` matrices."""
+    rx, ry = Xc.square().sum(1), Yc.square().sum(1)  # (n,), (n,)
+    return {"xy": (Xc.T @ Yc).square().sum(), "xx": (Xc.T @ Xc).square().sum(),
+            "yy": (Yc.T @ Yc).square().sum(), "rx": rx, "ry": ry}
+
+
+def _unbiased_hsic_triplet(moments: dict[str, Tensor],
+                           n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Unbiased (xy, xx, yy) HSICs from ``_feature_moments``."""
+    rx, ry = moments["rx"], moments["ry"]
+    return (_unbiased_hsic(moments["xy"], rx @ ry, rx.sum(), ry.sum(), n),
+            _unbiased_hsic(moments["xx"], rx @ rx, rx.sum(), rx.sum(), n),
+            _unbiased_hsic(moments["yy"], ry @ ry, ry.sum(), ry.sum(), n))
+
+
+def cka_from_moments(frob_sq: Tensor, row_products: Tensor, traces: Tensor, n: int,
+                     debiased: bool = True) -> Tensor:
+    """``(L, L)`` linear CKA of L centred layers from their pair moments.
+
+    ``frob_sq[a, b]`` = ‖X_aᵀX_b‖²_F, ``row_products[a, b]`` = Σᵢ‖x_a,ᵢ‖²‖x_b,ᵢ‖² and
+    ``traces[a]`` = Σᵢ‖x_a,ᵢ‖² (all float64, rows centred); n tokens. Biased: the ratio of
+    the ‖XᵀY‖² terms; debiased: of the unbiased HSICs (``_unbiased_hsic``).
+    """
+    if debiased:
+        frob_sq = _unbiased_hsic(frob_sq, row_products, traces[:, None], traces[None, :], n)
+    diagonal = frob_sq.diagonal()
+    return _cka_ratio(frob_sq, diagonal[:, None], diagonal[None, :])
+
+
+def linear_cka_matrix(hidden: Tensor, debiased: bool = True, block_rows: int = 256) -> Tensor:
+    """``(L, L)`` linear CKA between all layers of ``hidden: (L, n, d)``, Gram route.
+
+    ‖X_aᵀX_b‖²_F = ⟨K_a, K_b⟩_F with K_a = X_aᶜX_aᶜᵀ (n×n): a row block of every K at a
+    time, stacked as ``(L, block_rows·n)``, adds its Gram to the L×L sums, so memory is
+    L·block_rows·n and cost L·n²·d + L²·n², cheaper than the feature route's L²·n·d² when
+    n < d·L/2 (e.g. a 3000-token subsample of 31 layers × 576). Gram products in the input
+    precision (float32 states: relative error ~1e-6), sums float64.
+    """
+    if hidden.ndim != 3:
+        raise ValueError(f"hidden must be (L, n, d), got {tuple(hidden.shape)}")
+    if hidden.shape[1] < MIN_TOKENS_DEBIASED or not torch.isfinite(hidden).all():
+        raise ValueError(f"hidden needs ≥ {MIN_TOKENS_DEBIASED} tokens and finite values, got "
+                         f"{hidden.shape[1]} tokens")
+    centred = hidden - hidden.mean(dim=1, keepdim=True)  # (L, n, d)
+    n = centred.shape[1]
+    frob_sq = torch.zeros(len(centred), len(centred), dtype=torch.float64, device=hidden.device)
+    for start in range(0, n, block_rows):
+        rows = centred[:, start:start + block_rows] @ centred.transpose(1, 2)  # (L, b, n)
+        flat = rows.reshape(len(centred), -1).to(torch.float64)
+        frob_sq += flat @ flat.T
+    norms = centred.square().sum(dim=2).to(torch.float64)  # (L, n) row squared norms
+    for layer, value in enumerate(frob_sq.diagonal()):
+        if not float(value) > 0:
+            raise ValueError(f"layer row {layer} is constant over the tokens: CKA undefined")
+    return cka_from_moments(frob_sq, norms @ norms.T, norms.sum(dim=1), n, debiased)
+
+
+def _check_pair(X: Tensor, Y: Tensor, min_tokens: int) -> None:
+    _check_matrix(X, "X", min_tokens)
+    _check_matrix(Y, "Y", min_tokens)
+    if X.shape[0] != Y.shape[0]:
+        raise ValueError(f"X and Y must have the same number of tokens, got "
+                         f"{X.shape[0]} and {Y.shape[0]}")
+
+
+def linear_cka(X: Tensor, Y: Tensor, debiased: bool = False) -> Tensor:
+    """Linear CKA of ``X: (n, d1)`` and ``Y: (n, d2)`` (Kornblith et al. 2019), float64.
+
+    Biased: ‖YᶜᵀXᶜ‖²_F / (‖XᶜᵀXᶜ‖_F ‖YᶜᵀYᶜ‖_F), columns centred. Debiased: each of the
+    three HSICs replaced by the unbiased U-statistic (needs n ≥ 4); it removes the positive
+    floor biased CKA has for unrelated features at small n.
+    """
+    _check_pair(X, Y, MIN_TOKENS_DEBIASED if debiased else 2)
+    moments = _feature_moments(_centre(X), _centre(Y))
+    _check_varying(moments["xx"], moments["yy"])
+    if not debiased:
+        return _cka_ratio(moments["xy"], moments["xx"], moments["yy"])
+    return _cka_ratio(*_unbiased_hsic_triplet(moments, X.shape[0]))
+
+
+def minibatch_cka(batches: Iterable[tuple[Tensor, Tensor]]) -> Tensor:
+    """Minibatch CKA (Nguyen, Raghu & Kornblith 2021) over ``(X_b: (n_b, d1), Y_b: (n_b, d2))``.
+
+    Averages the unbiased HSIC₁ of every minibatch (each scaled by 1/(n_b(n_b−3)), so
+    batches may differ in size), then forms the CKA ratio of the averages. Memory does not
+    grow with the total token count.
+    """
+    totals = None
+    for X, Y in batches:
+        _check_pair(X, Y, MIN_TOKENS_DEBIASED)
+        n = X.shape[0]
+        moments = _feature_moments(_centre(X), _centre(Y))
+        hsics = torch.stack(_unbiased_hsic_triplet(moments, n)) / (n * (n - 3.0))
+        totals = hsics if totals is None else totals + hsics
+    if totals is None:
+        raise ValueError("minibatch_cka got no batches")
+    _check_varying(totals[1], totals[2])
+    return _cka_ratio(totals[0], totals[1], totals[2])
+
+
+# ----------------------------------------------------------------------------- tokens
+def token_entropy(logits: Tensor) -> Tensor:
+    """Predictive entropy H(softmax(z)) in nats of ``logits: (..., V)`` -> ``(...)``, fp32.
+
+    logsumexp(z) − Σ softmax(z)·z; −inf logits (masked vocabulary) contribute 0.
+    """
+    z = logits.to(torch.float32)
+    probs = torch.softmax(z, dim=-1)
+    weighted = torch.where(probs > 0, probs * z, torch.zeros_like(z))
+    return torch.logsumexp(z, dim=-1) - weighted.sum(dim=-1)
+
+
+def quantile_threshold(entropy: Tensor, quantile: float) -> Tensor:
+    """Entropy value t such that keeping ``entropy ≥ t`` keeps the top (1 − q) share.
+
+    t = the ⌈q(n−1)⌉-th smallest value (order statistic, no interpolation, so ties are
+    kept together); sort-based, so there is no size limit as with ``torch.quantile``.
+    """
+    if not 0.0 <= quantile < 1.0:
+        raise ValueError(f"quantile must be in [0, 1), got {quantile!r}")
+    if entropy.ndim != 1 or entropy.numel() == 0:
+        raise ValueError(f"entropy must be a non-empty 1-D tensor, got {tuple(entropy.shape)}")
+    ordered = entropy.sort().values
+    return ordered[math.ceil(quantile * (entropy.numel() - 1))]
+
+
+def token_filter(entropy: Tensor, *, threshold: float | None = None,
+                 quantile: float | None = None, special: Tensor | None = None,
+                 exclude_special: bool = True) -> Tensor:
+    """Keep mask ``(n,)`` bool over tokens with predictive ``entropy: (n,)``.
+
+    ``threshold``: keep entropy ≥ threshold. ``quantile`` q: keep entropy ≥ the q-quantile
+    of the candidate tokens (q = 0.5 keeps the top half), see ``quantile_threshold``.
+    Neither: keep all. Special tokens (``special: (n,)`` bool) are dropped first when
+    ``exclude_special`` and are not counted in the quantile.
+    """
+    if entropy.ndim != 1:
+        raise ValueError(f"entropy must be 1-D (n_tokens,), got {tuple(entropy.shape)}")
+    if threshold is not None and quantile is not None:
+        raise ValueError("give at most one of threshold and quantile, not both")
+    if torch.isnan(entropy).any():
+        raise ValueError("entropy contains NaN")
+    keep = torch.ones_like(entropy, dtype=torch.bool)
+    if special is not None and exclude_special:
+        if special.shape != entropy.shape or special.dtype != torch.bool:
+            raise ValueError(f"special must be a bool tensor of shape {tuple(entropy.shape)}, "
+                             f"got {special.dtype} {tuple(special.shape)}")
+        keep &= ~special
+    if quantile is not None:
+        threshold = quantile_threshold(entropy[keep], quantile)
+    if threshold is not None:
+        keep &= entropy >= threshold
+    return keep
+
+
+# ----------------------------------------------------------------------------- stats
+@dataclass
+class LayerStats:
+    """Per-layer and pairwise statistics of hidden states over one token set.
+
+    Rows follow ``layers`` (layer indices ℓ, usually 0..N). ``entropy``/``renyi2``:
+    ``(L,)`` Shannon / Rényi-2 matrix entropy in nats. ``cka``: ``(L, L)`` debiased linear
+    CKA; ``cka_biased``: biased. ``cov[(i, j)]`` for layer indices i ≤ j: the ``(d, d)``
+    float64 centred cross-covariance Σᵢⱼ = Zᵢᶜᵀ Zⱼᶜ (unnormalised sums), from which
+    aggregate entropies are built. ``n_seen``: tokens offered before filtering.
+    """
+
+    layers: tuple[int, ...]
+    n_tokens: int
+    dim: int
+    entropy: Tensor
+    renyi2: Tensor
+    cka: Tensor
+    cka_biased: Tensor
+    cov: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    n_seen: int | None = None
+
+    @property
+    def kept_fraction(self) -> float | None:
+        return None if not self.n_seen else self.n_tokens / self.n_seen
+
+    def rows(self, layers: Sequence[int] | Tensor) -> Tensor:
+        """Row positions (LongTensor) of layer indices, with a clear error for unknown ones."""
+        lookup = {layer: row for row, layer in enumerate(self.layers)}
+        flat = torch.as_tensor(layers).reshape(-1).tolist()
+        missing = sorted({layer for layer in flat if layer not in lookup})
+        if missing:
+            raise ValueError(f"layers {missing} not in these stats (have {list(self.layers)})")
+        shape = torch.as_tensor(layers).shape
+        return torch.tensor([lookup[layer] for layer in flat], dtype=torch.long).reshape(shape)
+
+    def block(self, i: int, j: int) -> Tensor:
+        """Σᵢⱼ ``(d, d)`` for any order of layer indices i, j."""
+        if not self.cov:
+            raise ValueError("these LayerStats carry no covariance blocks (made by without_cov)")
+        return self.cov[(i, j)] if i <= j else self.cov[(j, i)].T
+
+    def without_cov(self) -> "LayerStats":
+        """Copy without the covariance blocks (light; no aggregate Shannon entropy)."""
+        return replace(self, cov={})
+
+    def to_dict(self) -> dict:
+        """Flat dict: tensors (entropy, renyi2, cka, cka_biased, ``cov.i.j``) + plain values."""
+        out = {"layers": list(self.layers), "n_tokens": self.n_tokens, "dim": self.dim,
+               "n_seen": self.n_seen, "entropy": self.entropy, "renyi2": self.renyi2,
+               "cka": self.cka, "cka_biased": self.cka_biased}
+        out.update({f"cov.{i}.{j}": block for (i, j), block in self.cov.items()})
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LayerStats":
+        cov = {}
+        for key, value in data.items():
+            if key.startswith("cov."):
+                _, i, j = key.split(".")
+                cov[(int(i), int(j))] = value
+        return cls(layers=tuple(int(x) for x in data["layers"]), n_tokens=int(data["n_tokens"]),
+                   dim=int(data["dim"]), entropy=torch.as_tensor(data["entropy"]),
+                   renyi2=torch.as_tensor(data["renyi2"]), cka=torch.as_tensor(data["cka"]),
+                   cka_biased=torch.as_tensor(data["cka_biased"]), cov=cov,
+                   n_seen=data.get("n_seen"))
+
+
+class StreamingLayerStats:
+    """``LayerStats`` of L layers in one pass over token chunks, never forming an n×n Gram.
+
+    Per chunk, tokens shifted by a reference mean (the first chunk's, so the large mean of
+    residual streams does not cancel catastrophically), it adds in float64: Σx (L, d),
+    Σ‖x‖² (L,), Σ‖x_a‖²‖x_b‖² (L, L), Σ‖x_a‖² x_b (L, L, d) and the cross products
+    Σ x_a x_bᵀ (d, d) for every pair a ≤ b. Centred covariances follow by subtracting the
+    mean outer product; the debiased-HSIC row-norm term Σᵢ‖x̄_a,ᵢ‖²‖x̄_b,ᵢ‖² of centred
+    rows x̄ = x − μ expands into these sums (see ``_centred_row_norm_products``).
+
+    Memory: L(L+1)/2 · d² float64 (31 layers × 576: 1.3 GB) plus one float64 chunk of
+    ``chunk_tokens`` tokens. ``finalize`` turns the accumulators into the covariance blocks
+    in place (no copy), after which ``update`` is refused.
+
+    Cost: n·d²·L(L+1) flops in the cross products. ``matmul_dtype=torch.float32`` runs
+    them in float32 per chunk (≈2× faster on CPU; relative error ~1e-6 after the mean
+    shift) while every sum across chunks stays float64; the default is float64 throughout.
+
+    Streams over disjoint token shards combine by adding their ``partial_sums`` (one
+    all-reduce, ``actwave.stats.distributed``) when all of them were given the same ``reference:
+    (L, d)`` shift; the counts ``n_tokens`` and ``n_seen`` add likewise.
+    """
+
+    def __init__(self, num_layers: int, dim: int, device: torch.device | str | None = None,
+                 *, layers: Sequence[int] | None = None, chunk_tokens: int = CHUNK_TOKENS,
+                 matmul_dtype: torch.dtype = torch.float64,
+                 reference: Tensor | None = None) -> None:
+        if num_layers < 1 or dim < 1 or chunk_tokens < 1:
+            raise ValueError(f"need num_layers, dim, chunk_tokens ≥ 1, got "
+                             f"{num_layers}, {dim}, {chunk_tokens}")
+        if matmul_dtype not in (torch.float64, torch.float32):
+            raise ValueError(f"matmul_dtype must be torch.float64 or torch.float32, "
+                             f"got {matmul_dtype}")
+        self.matmul_dtype = matmul_dtype
+        self.layers = tuple(range(num_layers)) if layers is None else tuple(int(x) for x in layers)
+        if len(self.layers) != num_layers:
+            raise ValueError(f"{len(self.layers)} layer labels for num_layers={num_layers}")
+        self.num_layers, self.dim, self.chunk_tokens = num_layers, dim, chunk_tokens
+        self.device = None if device is None else torch.device(device)
+        self.n_tokens = self.n_seen = 0
+        if reference is not None and tuple(reference.shape) != (num_layers, dim):
+            raise ValueError(f"reference must be (L={num_layers}, d={dim}), "
+                             f"got {tuple(reference.shape)}")
+        # (L, d) shift applied to every token; None: the first chunk's mean
+        self._reference = None if reference is None else reference.to(torch.float64)
+        self._finalized = False
+
+    @staticmethod
+    def accumulator_bytes(num_layers: int, dim: int, chunk_tokens: int = CHUNK_TOKENS) -> int:
+        """Bytes the float64 accumulators and one working chunk take (see ``_allocate``)."""
+        L, d = num_layers, dim
+        return 8 * (L * (L + 1) // 2 * d * d + L * L * d + L * d + L * L + L + chunk_tokens * L * d)
+
+    def _allocate(self, device: torch.device) -> None:
+        L, d, f64 = self.num_layers, self.dim, torch.float64
+        self.device = device
+        self._sums = torch.zeros(L, d, dtype=f64, device=device)
+        self._sq_sums = torch.zeros(L, dtype=f64, device=device)
+        self._sq_products = torch.zeros(L, L, dtype=f64, device=device)
+        self._sq_weighted = torch.zeros(L, L, d, dtype=f64, device=device)  # [a, b] = Σ‖x_a‖² x_b
+        self._cross = {(a, b): torch.zeros(d, d, dtype=f64, device=device)
+                       for a in range(L) for b in range(a, L)}
+        if self._reference is not None:
+            self._reference = self._reference.to(device)
+
+    def partial_sums(self) -> list[Tensor]:
+        """The float64 accumulators, in a fixed order, for adding in place the sums of other
+        streams over disjoint tokens with the same reference (allocated if still empty)."""
+        if self._finalized:
+            raise RuntimeError("finalize() already consumed this accumulator")
+        if not hasattr(self, "_cross"):
+            self._allocate(self.device or torch.device("cpu"))
+        return [self._sums, self._sq_sums, self._sq_products, self._sq_weighted,
+                *self._cross.values()]
+
+    def update(self, hidden: Tensor, keep: Tensor | None = None) -> None:
+        """Add tokens ``hidden: (L, n, d)`` (any float dtype), optionally only ``keep: (n,)``."""
+        if self._finalized:
+            raise RuntimeError("finalize() already consumed this accumulator")
+        if hidden.ndim != 3 or hidden.shape[0] != self.num_layers or hidden.shape[2] != self.dim:
+            raise ValueError(f"hidden must be (L={self.num_layers}, n, d={self.dim}), "
+                             f"got {tuple(hidden.shape)}")
+        self.n_seen += hidden.shape[1]
+        if keep is not None:
+            if keep.dtype != torch.bool or keep.shape != (hidden.shape[1],):
+                raise ValueError(f"keep must be a bool tensor of shape ({hidden.shape[1]},), "
+                                 f"got {keep.dtype} {tuple(keep.shape)}")
+            hidden = hidden[:, keep.to(hidden.device)]
+        if not hasattr(self, "_cross"):  # first call: accumulators on the given/input device
+            self._allocate(self.device or hidden.device)
+        for start in range(0, hidden.shape[1], self.chunk_tokens):
+            self._accumulate(hidden[:, start:start + self.chunk_tokens])
+
+    def _accumulate(self, chunk: Tensor) -> None:
+        x = chunk.to(device=self.device, dtype=torch.float64, copy=True)  # (L, m, d), own copy
+        raw_sums = x.sum(dim=1)  # (L, d)
+        _check_layers_finite(raw_sums, self.layers)
+        if self._reference is None:
+            self._reference = raw_sums / x.shape[1]  # (L, d)
+        x -= self._reference[:, None, :]
+        if self.matmul_dtype == torch.float64:
+            for (a, b), cross in self._cross.items():
+                cross.addmm_(x[a].T, x[b])
+        else:
+            low = x.to(self.matmul_dtype)
+            for (a, b), cross in self._cross.items():
+                cross += (low[a].T @ low[b]).to(torch.float64)
+        sq_norms = torch.linalg.vector_norm(x, dim=-1).square()  # (L, m)
+        self._sums += x.sum(dim=1)
+        self._sq_sums += sq_norms.sum(dim=1)
+        self._sq_products += sq_norms @ sq_norms.T
+        self._sq_weighted += torch.matmul(sq_norms[None], x).transpose(0, 1)  # [a, b]=Σq_a x_b
+        self.n_tokens += x.shape[1]
+
+    def _centred_row_norm_products(self, mean: Tensor) -> Tensor:
+        """(L, L) Σᵢ ‖x_a,ᵢ − μ_a‖² ‖x_b,ᵢ − μ_b‖² from the shifted sums, ``mean: (L, d)``.
+
+        With q = ‖x‖², ‖x − μ‖² = q − 2μ·x + ‖μ‖²; expanding the product and summing
+        over tokens (Σx = nμ, Σ x_a x_bᵀ = Σ_ab + nμ_aμ_bᵀ with Σ_ab the centred block):
+        Σq_aq_b − 2μ_b·Σq_a x_b − 2μ_a·Σq_b x_a + ‖μ_b‖²Σq_a + ‖μ_a‖²Σq_b
+        + 4μ_aᵀΣ_abμ_b + n‖μ_a‖²‖μ_b‖². Call after the blocks are centred.
+        """
+        n, mean_sq = self.n_tokens, mean.square().sum(dim=1)  # (L,)
+        weighted = torch.einsum("abd,bd->ab", self._sq_weighted, mean)  # μ_b·Σq_a x_b
+        bilinear = torch.zeros_like(self._sq_products)  # μ_aᵀ Σ_ab μ_b
+        for (a, b), cov in self._cross.items():
+            bilinear[a, b] = bilinear[b, a] = mean[a] @ cov @ mean[b]
+        return (self._sq_products - 2 * weighted - 2 * weighted.T
+                + torch.outer(self._sq_sums, mean_sq) + torch.outer(mean_sq, self._sq_sums)
+                + 4 * bilinear + n * torch.outer(mean_sq, mean_sq))
+
+    def finalize(self) -> LayerStats:
+        """Centre the accumulators and compute entropies and both CKA matrices."""
+        n = self.n_tokens
+        if n < MIN_TOKENS_DEBIASED:
+            raise ValueError(f"only {n} tokens accumulated; at least {MIN_TOKENS_DEBIASED} "
+                             "are needed (debiased CKA)")
+        self._finalized = True
+        for (a, b), cross in self._cross.items():  # in place: Σ_ab = Σxxᵀ − (Σx)(Σx)ᵀ/n
+            cross.sub_(torch.outer(self._sums[a], self._sums[b]) / n)
+        frob_sq = torch.zeros_like(self._sq_products)  # ‖Σ_ab‖²_F
+        for (a, b), cov in self._cross.items():
+            frob_sq[a, b] = frob_sq[b, a] = cov.square().sum()
+        traces = torch.stack([self._cross[(a, a)].trace() for a in range(self.num_layers)])
+        row_products = self._centred_row_norm_products(self._sums / n)
+        own = [self._cross[(a, a)] for a in range(self.num_layers)]
+        labels = self.layers
+        return LayerStats(
+            layers=labels, n_tokens=n, dim=self.dim, n_seen=self.n_seen,
+            entropy=torch.stack([entropy_from_cov(c, 1.0) for c in own]),
+            renyi2=torch.stack([entropy_from_cov(c, 2.0) for c in own]),
+            cka=cka_from_moments(frob_sq, row_products, traces, n, debiased=True),
+            cka_biased=cka_from_moments(frob_sq, row_products, traces, n, debiased=False),
+            cov={(labels[a], labels[b]): cov for (a, b), cov in self._cross.items()})
+
+
+def layer_stats(hidden: Tensor, keep: Tensor | None = None, *,
+                layers: Sequence[int] | None = None) -> LayerStats:
+    """One-shot ``LayerStats`` of ``hidden: (L, n, d)`` (a single streaming pass)."""
+    if hidden.ndim != 3:
+        raise ValueError(f"hidden must be (L, n, d), got {tuple(hidden.shape)}")
+    stream = StreamingLayerStats(hidden.shape[0], hidden.shape[2], hidden.device, layers=layers)
+    stream.update(hidden, keep)
+    return stream.finalize()
+
+
+# ----------------------------------------------------------------------------- aggregates
+def aggregate_entropy(stats: LayerStats, layers: Sequence[int], alpha: float = 1.0) -> float:
+    """Matrix entropy (nats) of the concatenation [h_a; h_b; …] of ``layers`` (indices).
+
+    Each layer is centred and scaled to unit trace (tr Σ_aa = 1) so none dominates by scale;
+    the (k·d)² covariance is assembled from the stored blocks, Σ_ab / √(tr Σ_aa tr Σ_bb).
+    """
+    alpha = _check_alpha(alpha)
+    layers = [int(layer) for layer in layers]
+    if not layers:
+        raise ValueError("aggregate_entropy needs at least one layer")
+    stats.rows(layers)  # validates the indices
+    scales = [stats.block(a, a).trace().sqrt() for a in layers]
+    joint = torch.cat([torch.cat([stats.block(a, b) / (scales[i] * scales[j])
+                                  for j, b in enumerate(layers)], dim=1)
+                       for i, a in enumerate(layers)], dim=0)  # (k·d, k·d)
+    return float(entropy_from_cov(joint, alpha))
+
+
+def aggregate_renyi2(stats: LayerStats, subsets: Tensor) -> Tensor:
+    """Rényi-2 entropy (nats) of concatenated, unit-trace layers for ``subsets: (S, k)``.
+
+    Closed form, O(k²) per subset: exp(−H₂(S)) = Σp² = ‖Σ_S‖²_F / k² and, with unit-trace
+    blocks, ‖Σ_ab‖²_F / (t_a t_b) = CKA_ab √(P_a P_b), P_a = exp(−H₂(a)) = ‖Σ_aa‖²_F / t_a².
+    This holds exactly for the BIASED CKA (the debiased one changes the numerator), so
+    exp(−H₂(S)) = k⁻²[Σ_a P_a + 2Σ_{a<b} CKA_ab √(P_a P_b)]. Returns ``(S,)`` float64.
+    """
+    subsets = torch.as_tensor(subsets)
+    if subsets.ndim != 2 or subsets.shape[1] < 1 or subsets.is_floating_point():
+        raise ValueError(f"subsets must be an integer tensor (S, k), got "
+                         f"{subsets.dtype} {tuple(subsets.shape)}")
+    rows = stats.rows(subsets).to(stats.cka_biased.device)  # (S, k)
+    weights = torch.exp(-stats.renyi2.to(torch.float64) / 2)[rows]  # √P_a, (S, k)
+    cka = stats.cka_biased.to(torch.float64)[rows[:, :, None], rows[:, None, :]]  # (S, k, k)
+    purity = torch.einsum("sa,sab,sb->s", weights, cka, weights) / subsets.shape[1] ** 2
+    return -torch.log(purity)
+
+
+# ----------------------------------------------------------------------------- compartments
+def compartments(cka: Tensor, max_blocks: int | None = None,
+                 resolution: float = 1.0) -> list[tuple[int, int]]:
+    """Contiguous blocks of mutually similar layers: ``[(first_row, last_row), …]`` inclusive.
+
+    Objective: Newman's modularity with the CKA matrix as weighted graph (negatives clipped
+    to 0, diagonal dropped), Q = Σ_blocks Σ_{i,j ∈ block} [W_ij − γ k_i k_j / 2m], k = row
+    sums, 2m = Σk, γ = ``resolution`` (larger → more, smaller blocks). It rewards a block
+    when its layers are more similar than their overall similarity predicts. Blocks must be
+    contiguous in depth, so the exact optimum over all segmentations with ≤ ``max_blocks``
+    blocks is found by dynamic programming, O(L²·K). Number of blocks: the one maximising
+    Q (no separate elbow rule); ties go to fewer blocks and earlier cuts (deterministic).
+    """
+    cka = torch.as_tensor(cka)
+    if cka.ndim != 2 or cka.shape[0] != cka.shape[1]:
+        raise ValueError(f"cka must be a square (L, L) matrix, got {tuple(cka.shape)}")
+    if not torch.isfinite(cka).all():
+        raise ValueError("cka contains NaN or inf")
+    n_rows = cka.shape[0]
+    max_blocks = n_rows if max_blocks is None else int(max_blocks)
+    if max_blocks < 1:
+        raise ValueError(f"max_blocks must be ≥ 1, got {max_blocks}")
+    weights = cka.detach().to("cpu", torch.float64).clamp(min=0)
+    weights = (weights + weights.T) / 2
+    weights.fill_diagonal_(0)
+    degree, total = weights.sum(dim=1), weights.sum()
+    if n_rows == 1 or not total > 0:
+        return [(0, n_rows - 1)]
+    gain = weights - resolution * torch.outer(degree, degree) / total  # modularity matrix
+    prefix = torch.zeros(n_rows + 1, n_rows + 1, dtype=torch.float64)
+    prefix[1:, 1:] = gain.cumsum(0).cumsum(1)  # 2-D prefix sums: any block sum in O(1)
+    table = prefix.tolist()
+
+    def segment(first: int, last: int) -> float:
+        """Σ of the modularity matrix over rows and columns first..last."""
+        return (table[last + 1][last + 1] - table[first][last + 1]
+                - table[last + 1][first] + table[first][first])
+    return _best_segmentation(segment, n_rows, min(max_blocks, n_rows))
+
+
+def _best_segmentation(segment: Callable[[int, int], float], n_rows: int,
+                       max_blocks: int) -> list[tuple[int, int]]:
+    """Exact DP: best[k][e] = max score of rows 0..e cut into k contiguous segments."""
+    neg = -math.inf
+    best = [[neg] * n_rows for _ in range(max_blocks + 1)]
+    start = [[0] * n_rows for _ in range(max_blocks + 1)]
+    for end in range(n_rows):
+        best[1][end] = segment(0, end)
+    for k in range(2, max_blocks + 1):
+        for end in range(k - 1, n_rows):
+            for first in range(k - 1, end + 1):
+                score = best[k - 1][first - 1] + segment(first, end)
+                if score > best[k][end] + 1e-12:  # strict: ties keep the earlier cut
+                    best[k][end], start[k][end] = score, first
+    n_blocks = max(range(1, max_blocks + 1), key=lambda k: (round(best[k][-1], 12), -k))
+    blocks, end = [], n_rows - 1
+    for k in range(n_blocks, 0, -1):
+        first = start[k][end] if k > 1 else 0
+        blocks.append((first, end))
+        end = first - 1
+    return blocks[::-1]
