@@ -47,6 +47,41 @@ def save_tiny_llama(folder, tokenizer, hidden_size: int = 64, num_attention_head
     return str(folder)
 
 
+def random_sequences(n_sequences: int = 8, seed: int = 0, vocab_size: int = 128) -> list[dict]:
+    """Ragged random token sequences of 18-22 tokens (so padding is exercised); tokens from
+    position 3 on count as the reply."""
+    generator = torch.Generator().manual_seed(seed)
+    sequences = []
+    for row in range(n_sequences):
+        length = 18 + row % 5
+        ids = torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+        sequences.append({"input_ids": ids, "loss_mask": [pos >= 3 for pos in range(length)]})
+    return sequences
+
+
+def tiny_store(path, model, sequences: list[dict], sequences_per_shard: int | None = None,
+               config_hash: str = "tiny"):
+    """A real capture store of ``sequences`` (capture_batch per shard, float32 states,
+    manifest with shard records) in the existing folder ``path``."""
+    from actwave.capture import store as store_mod
+    from actwave.config import atomic_write_json
+
+    per_shard = sequences_per_shard or len(sequences)
+    shards = []
+    for number, first in enumerate(range(0, len(sequences), per_shard)):
+        chunk = sequences[first: first + per_shard]
+        columns = store_mod.capture_batch(model, chunk, first, {0}, torch.float32)
+        name = f"shard-{number:05d}.safetensors"
+        store_mod._write_shard(path / name, columns)
+        shards.append({"file": name, "n_tokens": int(columns["input_ids"].numel()),
+                       "first_sequence": first, "n_sequences": len(chunk)})
+    atomic_write_json(path / "manifest.json", {
+        "num_layers": model.config.num_hidden_layers, "hidden_size": model.config.hidden_size,
+        "vocab_size": model.config.vocab_size, "config_hash": config_hash,
+        "n_tokens": sum(s["n_tokens"] for s in shards), "complete": True, "shards": shards})
+    return store_mod.CaptureStore(path)
+
+
 @pytest.fixture(params=["llama", "qwen3", "gemma3"])
 def any_tiny_model(request):
     return tiny_model(request.param)

@@ -3,11 +3,9 @@ import csv
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import random_sequences, tiny_model, tiny_store
 
-from actwave.capture import store as store_mod
 from actwave.capture.forward import hidden_states
-from actwave.config import atomic_write_json
 from actwave.eagle3 import Eagle3Draft
 from actwave.eagle3 import train as train_mod
 from actwave.eagle3.ttt import ttt_attention_mask, unroll
@@ -16,22 +14,7 @@ LAYERS = (1, 2, 3)
 
 
 def _tiny_store(path, model, n_sequences=8, seed=0):
-    """A real capture store (capture_batch + shard + manifest) of random token sequences."""
-    generator = torch.Generator().manual_seed(seed)
-    sequences = []
-    for row in range(n_sequences):
-        length = 18 + row % 5  # ragged, so padding is exercised
-        ids = torch.randint(0, 128, (length,), generator=generator).tolist()
-        sequences.append({"input_ids": ids, "loss_mask": [pos >= 3 for pos in range(length)]})
-    columns = store_mod.capture_batch(model, sequences, 0, {0}, torch.float32)
-    store_mod._write_shard(path / "shard-00000.safetensors", columns)
-    n_tokens = int(columns["input_ids"].numel())
-    atomic_write_json(path / "manifest.json", {
-        "num_layers": 4, "hidden_size": 64, "vocab_size": 128, "config_hash": "tiny",
-        "n_tokens": n_tokens, "complete": True, "shards": [{
-            "file": "shard-00000.safetensors", "n_tokens": n_tokens, "first_sequence": 0,
-            "n_sequences": n_sequences}]})
-    return store_mod.CaptureStore(path)
+    return tiny_store(path, model, random_sequences(n_sequences, seed))
 
 
 def _naive_rollout(draft, fused, input_ids, steps):

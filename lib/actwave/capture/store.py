@@ -377,11 +377,20 @@ class CaptureStore:
             raise IntegrityError(path, "safetensors shard", "readable", err, self.repair) from err
 
     def iter_shards(self, layers: Sequence[int] | None = None,
-                    columns: Sequence[str] = ("entropy", "special", "loss_mask")) -> Iterator[dict]:
-        """Per shard: {"hidden": (L_sel, n, D) in storage dtype, plus the named columns}."""
+                    columns: Sequence[str] = ("entropy", "special", "loss_mask"),
+                    shard_ids: Sequence[int] | None = None) -> Iterator[dict]:
+        """Per shard (all, or the manifest positions ``shard_ids``): {"hidden": (L_sel, n, D)
+        in storage dtype, plus the named columns}."""
         layer_ids = validate_layers(range(self.num_layers + 1) if layers is None
                                     else int_ids("layers", layers), self.num_layers)
-        for shard in self.manifest["shards"]:
+        shards = self.manifest["shards"]
+        if shard_ids is not None:
+            bad = [i for i in shard_ids if not 0 <= i < len(shards)]
+            if bad:
+                raise ValueError(f"shard id {bad[0]} out of range: {self.path} has "
+                                 f"{len(shards)} shards (ids 0..{len(shards) - 1})")
+            shards = [shards[i] for i in shard_ids]
+        for shard in shards:
             with self._open(shard) as f:
                 sliced = f.get_slice("hidden")
                 hidden = torch.cat([sliced[i: i + 1] for i in layer_ids])  # (L_sel, n, D)

@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -188,15 +188,18 @@ def make_batch(data: TrainData, indices: list[int], target, draft: Eagle3Draft,
     width = max(data.input_ids[i].numel() for i in indices)
     padded = {name: _pad([getattr(data, name)[i] for i in indices], width).to(device)
               for name in ("target_states", "last_states", "input_ids", "argmax", "loss_mask")}
-    loss_mask = padded["loss_mask"]  # (B, L)
-    # Position p is trained when the token it predicts, x_{p+1}, exists and is in a reply.
-    label_mask = torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], dim=1)
     vocab_ids = draft_target_ids(draft.d2t).to(device)
     return {"target_states": padded["target_states"].float(),  # (B, L, k·D)
             "input_ids": padded["input_ids"],
             "target_probs": target_draft_probs(target, padded["last_states"], vocab_ids).to(device),
             "target_argmax": padded["argmax"],
-            "label_mask": label_mask}
+            "label_mask": trained_positions(padded["loss_mask"])}
+
+
+def trained_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """loss_mask: (B, L) -> label_mask (B, L): position p is trained when the token it
+    predicts, x_{p+1}, exists and is in a reply."""
+    return torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], dim=1)
 
 
 def batch_indices(n_sequences: int, batch_size: int, step: int, seed: int,
@@ -403,9 +406,11 @@ def _one_writer(train):
     never write to out_dir)."""
     @functools.wraps(train)
     def locked(store, target, config, out_dir, *args, **kwargs):
-        from accelerate import PartialState
+        from accelerate import Accelerator
 
-        if not PartialState().is_main_process:
+        # Accelerator, not PartialState: only it reads ACCELERATE_USE_CPU, without which
+        # CPU processes (gloo) launched together would each train alone.
+        if not Accelerator().is_main_process:
             return train(store, target, config, out_dir, *args, **kwargs)
         with WriterLock(Path(out_dir)):
             return train(store, target, config, out_dir, *args, **kwargs)
@@ -464,22 +469,35 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
     checkpoint; a non-finite loss or gradient stops the run (FloatingPointError) with the
     last good checkpoint kept.
     """
+    return fit(store, lambda: load_sequences(store, config.layer_ids, config.max_seq_len),
+               make_batch, target, config, out_dir, progress, eval_store, eval_fn)
+
+
+def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progress: bool = True,
+        eval_store=None, eval_fn=None) -> TrainResult:
+    """The training loop of ``train_draft`` (store) and ``eagle3.online`` (target in the loop).
+
+    source: ``config_hash`` and ``path`` identify the training data in checkpoints and
+    config.json; ``load_data()`` -> the sequences (``input_ids``/``loss_mask`` lists, len);
+    ``batch_fn(data, indices, target, draft, device)`` -> the ``TTTLoss`` inputs of those
+    sequences (``make_batch``). Under DDP each process takes its ``batch_indices``.
+    """
     from accelerate import Accelerator
 
     out_dir = Path(out_dir)
-    if _finished(out_dir, config, store):
+    if _finished(out_dir, config, source):
         try:
             return _load_finished(out_dir, target)
         except IntegrityError as err:
             log.warning("rebuilding the draft from its last checkpoint: %s", err)
     accelerator = Accelerator()
-    data = load_sequences(store, config.layer_ids, config.max_seq_len)
+    data = load_data()
     eval_data = (load_sequences(eval_store, config.layer_ids, config.max_seq_len,
                                 config.eval_sequences) if eval_store is not None else None)
     draft = new_draft(target, data, config).to(accelerator.device)
     optimizer, scheduler = _optimizer(draft, config)
     start, history, eval_history = 0, [], []
-    checkpoint = latest_checkpoint(out_dir, config, store.config_hash)
+    checkpoint = latest_checkpoint(out_dir, config, source.config_hash)
     if checkpoint is not None:
         meta = load_checkpoint(checkpoint, draft, optimizer, scheduler)
         start, history, eval_history = meta["step"], meta["history"], meta["eval_history"]
@@ -491,7 +509,7 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
                      disable=not (progress and accelerator.is_main_process), mininterval=10):
         indices = batch_indices(len(data), config.batch_size, step, config.seed,
                                 accelerator.process_index, accelerator.num_processes)
-        batch = make_batch(data, indices, target, draft, accelerator.device)
+        batch = batch_fn(data, indices, target, draft, accelerator.device)
         lr = optimizer.param_groups[0]["lr"]
         output = _checked_step(step, out_dir, module, optimizer, scheduler, accelerator, batch,
                                config)
@@ -506,7 +524,7 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
                 eval_history.append({**row, **(eval_fn(draft) if eval_fn else {})})
             if accelerator.is_main_process:
                 save_checkpoint(out_dir, step + 1, draft, optimizer, scheduler, config, history,
-                                eval_history, store.config_hash)
+                                eval_history, source.config_hash)
                 write_history(out_dir / "history.csv", history)
             accelerator.wait_for_everyone()
     seconds = time.perf_counter() - tic
@@ -515,7 +533,7 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
         draft.save_pretrained(out_dir / "draft")
         write_history(out_dir / "eval.csv", eval_history)
         save_config(out_dir, config, complete=True, seconds=seconds, metrics=metrics,
-                    store=str(store.path), store_config_hash=store.config_hash,
+                    store=str(source.path), store_config_hash=source.config_hash,
                     n_train_sequences=len(data), n_train_tokens=data.n_tokens)
     accelerator.wait_for_everyone()
     return TrainResult(draft, history, out_dir, out_dir / "draft", seconds, metrics)
@@ -561,6 +579,21 @@ def evaluate_draft(draft: Eagle3Draft, store_eval, target, ttt_steps: int = 7,
     return evaluate_data(draft, data, target, ttt_steps, batch_size, dtype)
 
 
+def add_config_arguments(parser) -> None:
+    """``--layers`` and one ``--<field>`` per scalar ``TrainConfig`` field (default if absent)."""
+    parser.add_argument("--layers", required=True, help="comma-separated layer ids, e.g. 2,15,27")
+    for f in fields(TrainConfig):
+        if f.name not in ("layer_ids", "betas"):
+            parser.add_argument(f"--{f.name}", type=type(f.default), default=None)
+
+
+def config_from_args(args) -> TrainConfig:
+    """The ``TrainConfig`` of arguments parsed with ``add_config_arguments``."""
+    overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
+                 if getattr(args, f.name, None) is not None}
+    return TrainConfig(layer_ids=tuple(int(i) for i in args.layers.split(",")), **overrides)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command line, for one process or DDP via ``accelerate launch``:
 
@@ -569,9 +602,8 @@ def main(argv: list[str] | None = None) -> None:
             --total_steps 2000 --ttt_steps 7 --dtype bfloat16
     """
     import argparse
-    import dataclasses
 
-    from accelerate import PartialState
+    from accelerate import Accelerator
 
     from actwave.capture.models import load
     from actwave.capture.store import CaptureStore
@@ -580,18 +612,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="bundled name, HF id or local path")
     parser.add_argument("--store", required=True)
     parser.add_argument("--eval-store", default=None)
-    parser.add_argument("--layers", required=True, help="comma-separated layer ids, e.g. 2,15,27")
     parser.add_argument("--out", required=True)
-    scalar_fields = [f for f in dataclasses.fields(TrainConfig)
-                     if f.name not in ("layer_ids", "betas")]
-    for f in scalar_fields:
-        parser.add_argument(f"--{f.name}", type=type(f.default), default=None)
+    add_config_arguments(parser)
     args = parser.parse_args(argv)
-    overrides = {f.name: getattr(args, f.name) for f in scalar_fields
-                 if getattr(args, f.name) is not None}
-    config = TrainConfig(layer_ids=tuple(int(i) for i in args.layers.split(",")), **overrides)
-    target, _ = load(args.model, device=str(PartialState().device))
-    train_draft(CaptureStore(args.store), target, config, args.out,
+    target, _ = load(args.model, device=str(Accelerator().device))
+    train_draft(CaptureStore(args.store), target, config_from_args(args), args.out,
                 eval_store=CaptureStore(args.eval_store) if args.eval_store else None)
 
 

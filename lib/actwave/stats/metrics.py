@@ -20,6 +20,8 @@ from torch import Tensor
 
 # Debiased HSIC needs n(n-3) > 0.
 MIN_TOKENS_DEBIASED = 4
+# Tokens per float64 working chunk of StreamingLayerStats.
+CHUNK_TOKENS = 1024
 
 
 # ----------------------------------------------------------------------------- checks
@@ -407,11 +409,16 @@ class StreamingLayerStats:
     Cost: n·d²·L(L+1) flops in the cross products. ``matmul_dtype=torch.float32`` runs
     them in float32 per chunk (≈2× faster on CPU; relative error ~1e-6 after the mean
     shift) while every sum across chunks stays float64; the default is float64 throughout.
+
+    Streams over disjoint token shards combine by adding their ``partial_sums`` (one
+    all-reduce, ``actwave.stats.distributed``) when all of them were given the same ``reference:
+    (L, d)`` shift; the counts ``n_tokens`` and ``n_seen`` add likewise.
     """
 
     def __init__(self, num_layers: int, dim: int, device: torch.device | str | None = None,
-                 *, layers: Sequence[int] | None = None, chunk_tokens: int = 1024,
-                 matmul_dtype: torch.dtype = torch.float64) -> None:
+                 *, layers: Sequence[int] | None = None, chunk_tokens: int = CHUNK_TOKENS,
+                 matmul_dtype: torch.dtype = torch.float64,
+                 reference: Tensor | None = None) -> None:
         if num_layers < 1 or dim < 1 or chunk_tokens < 1:
             raise ValueError(f"need num_layers, dim, chunk_tokens ≥ 1, got "
                              f"{num_layers}, {dim}, {chunk_tokens}")
@@ -425,11 +432,15 @@ class StreamingLayerStats:
         self.num_layers, self.dim, self.chunk_tokens = num_layers, dim, chunk_tokens
         self.device = None if device is None else torch.device(device)
         self.n_tokens = self.n_seen = 0
-        self._reference: Tensor | None = None  # (L, d) shift applied to every token
+        if reference is not None and tuple(reference.shape) != (num_layers, dim):
+            raise ValueError(f"reference must be (L={num_layers}, d={dim}), "
+                             f"got {tuple(reference.shape)}")
+        # (L, d) shift applied to every token; None: the first chunk's mean
+        self._reference = None if reference is None else reference.to(torch.float64)
         self._finalized = False
 
     @staticmethod
-    def accumulator_bytes(num_layers: int, dim: int, chunk_tokens: int = 1024) -> int:
+    def accumulator_bytes(num_layers: int, dim: int, chunk_tokens: int = CHUNK_TOKENS) -> int:
         """Bytes the float64 accumulators and one working chunk take (see ``_allocate``)."""
         L, d = num_layers, dim
         return 8 * (L * (L + 1) // 2 * d * d + L * L * d + L * d + L * L + L + chunk_tokens * L * d)
@@ -443,6 +454,18 @@ class StreamingLayerStats:
         self._sq_weighted = torch.zeros(L, L, d, dtype=f64, device=device)  # [a, b] = Σ‖x_a‖² x_b
         self._cross = {(a, b): torch.zeros(d, d, dtype=f64, device=device)
                        for a in range(L) for b in range(a, L)}
+        if self._reference is not None:
+            self._reference = self._reference.to(device)
+
+    def partial_sums(self) -> list[Tensor]:
+        """The float64 accumulators, in a fixed order, for adding in place the sums of other
+        streams over disjoint tokens with the same reference (allocated if still empty)."""
+        if self._finalized:
+            raise RuntimeError("finalize() already consumed this accumulator")
+        if not hasattr(self, "_cross"):
+            self._allocate(self.device or torch.device("cpu"))
+        return [self._sums, self._sq_sums, self._sq_products, self._sq_weighted,
+                *self._cross.values()]
 
     def update(self, hidden: Tensor, keep: Tensor | None = None) -> None:
         """Add tokens ``hidden: (L, n, d)`` (any float dtype), optionally only ``keep: (n,)``."""
