@@ -80,6 +80,20 @@ for name in model_names:
 correlations
 
 # %% [markdown]
+# ## Where in depth do the good sets sit? (exploratory)
+# Chosen after seeing SmolLM2's ranking (sets holding the top layers ranked last), so these
+# p-values describe, they do not confirm: the deepest, shallowest and mean layer of each
+# trained triple and its spread, against τ̂.
+
+# %%
+depth = pd.concat([report.depth_correlations(
+    summaries[name], n_permutations=n_permutations, seed=seed).assign(model=name)
+    for name in model_names], ignore_index=True)
+plots.save_table(depth, "10_depth_correlations", NOTEBOOK, results_dir,
+                 sort_by=["model", "feature"])
+depth
+
+# %% [markdown]
 # ## Learning curve of the default: where the budget sits
 
 # %%

@@ -53,6 +53,31 @@ def proxy_correlations(summary: pd.DataFrame, sets: pd.DataFrame, k: int = 3,
     return pd.DataFrame(rows)
 
 
+# Where in depth a set sits, in layer indices ℓ (the layer convention of docs/METHODS.md §1).
+DEPTH_FEATURES = {"deepest": max, "shallowest": min,
+                  "mean_layer": lambda layers: sum(layers) / len(layers),
+                  "spread": lambda layers: max(layers) - min(layers)}
+
+
+def layer_ids_of(text: str) -> list[int]:
+    """"2,15,27" (a table's layer_ids cell) -> [2, 15, 27]."""
+    return [int(part) for part in str(text).split(",")]
+
+
+def depth_correlations(summary: pd.DataFrame, k: int = 3, n_permutations: int = 10000,
+                       seed: int = 0) -> pd.DataFrame:
+    """Exploratory, chosen after seeing the data: Spearman / Kendall of where a trained
+    k-set sits in depth (deepest, shallowest and mean layer, spread) with τ̂."""
+    trained = summary[summary["k"] == k]
+    layer_sets = [layer_ids_of(text) for text in trained["layer_ids"]]
+    rows = []
+    for feature, fn in DEPTH_FEATURES.items():
+        stats = study_stats.rank_correlation([fn(layers) for layers in layer_sets],
+                                             trained["tau_hat"], n_permutations, seed)
+        rows.append({"feature": feature, **stats})
+    return pd.DataFrame(rows)
+
+
 def noise_floor(summary: pd.DataFrame) -> float:
     """Pooled SD of τ̂ over seeds among the multi-seed sets (NaN if none)."""
     multi = summary[summary["n_seeds"] > 1]
