@@ -225,7 +225,7 @@ def test_stores_index_keeps_other_models_and_names_notebook_08(tmp_path):
 
 def test_depth_correlations_read_the_layer_ids_of_each_trained_triple():
     summary = pd.DataFrame({"label": ["a", "b", "c", "d", "e"], "k": [3, 3, 3, 3, 2],
-                            "layer_ids": ["1,2,3", "2,3,9", "4,5,6", "1,8,20", "7,8"],
+                            "layer_ids": ["1,2,3", (2, 3, 9), "4,5,6", [1, 8, 20], (7, 8)],
                             "tau_hat": [1.5, 1.1, 1.4, 1.0, 9.9]})
     table = report.depth_correlations(summary, n_permutations=200).set_index("feature")
     assert (table["n"] == 4).all()  # the k = 2 set is left out

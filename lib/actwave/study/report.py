@@ -59,9 +59,11 @@ DEPTH_FEATURES = {"deepest": max, "shallowest": min,
                   "spread": lambda layers: max(layers) - min(layers)}
 
 
-def layer_ids_of(text: str) -> list[int]:
-    """"2,15,27" (a table's layer_ids cell) -> [2, 15, 27]."""
-    return [int(part) for part in str(text).split(",")]
+def layer_ids_of(cell) -> list[int]:
+    """A layer_ids cell -> [2, 15, 27]: a sequence of ints (in memory) or "2,15,27" (CSV)."""
+    if isinstance(cell, str):
+        return [int(part) for part in cell.split(",")]
+    return [int(layer) for layer in cell]
 
 
 def depth_correlations(summary: pd.DataFrame, k: int = 3, n_permutations: int = 10000,
