@@ -3,6 +3,8 @@
 The processes are spawned as ``accelerate launch`` would start them (RANK / WORLD_SIZE /
 MASTER_ADDR env), once per module, and capture a tiny Llama saved to a folder; every check
 compares their store with ``run_capture`` in this process (float32 states: bit-identical).
+ShareGPT is read from a file of its first conversations (every capture would otherwise
+parse the whole 125 MB file, in every process).
 """
 import json
 import os
@@ -14,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 from conftest import save_tiny_llama
 
+from actwave.capture import data as data_mod
 from actwave.capture import distributed
 from actwave.capture import store as store_mod
 from actwave.capture.models import slug
@@ -41,8 +44,24 @@ def _without_timing(manifest: dict) -> dict:
     return {key: value for key, value in manifest.items() if key not in TIMING}
 
 
+def _use_sharegpt(path) -> None:
+    data_mod.sharegpt_path = lambda: path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_sharegpt(tmp_path_factory):
+    """The bundled ShareGPT file's first 10^6 characters (its complete records are read)."""
+    path = tmp_path_factory.mktemp("sharegpt") / "sharegpt-head.json"
+    with data_mod.sharegpt_path().open(encoding="utf-8") as f:
+        path.write_text(f.read(10**6), encoding="utf-8")
+    real = data_mod.sharegpt_path
+    _use_sharegpt(path)
+    yield path
+    data_mod.sharegpt_path = real
+
+
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+def folder(tmp_path_factory, small_sharegpt):
     from test_cli import tiny_tokenizer
 
     return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-capture-llama",
@@ -118,7 +137,7 @@ def _error_of(work) -> str:
     return "no error"
 
 
-def _two_process_worker(rank: int, port: int, work, folder) -> None:
+def _two_process_worker(rank: int, port: int, work, folder, sharegpt) -> None:
     """One of 2 gloo processes, as ``accelerate launch`` sets them up: a whole capture by
     the command line; one that fails on process 1's second shard, then its resumption; one
     where process 1 holds another model."""
@@ -126,6 +145,7 @@ def _two_process_worker(rank: int, port: int, work, folder) -> None:
                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       ACCELERATE_USE_CPU="true", ACTWAVE_CACHE=str(work / "cache-whole"))
     torch.set_num_threads(1)
+    _use_sharegpt(sharegpt)
     distributed.main(_arguments(folder))
     report = {}
 
@@ -153,9 +173,10 @@ def _two_process_worker(rank: int, port: int, work, folder) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_processes(folder, tmp_path_factory):
+def two_processes(folder, small_sharegpt, tmp_path_factory):
     work = tmp_path_factory.mktemp("two-process-capture")
-    mp.spawn(_two_process_worker, args=(_free_port(), work, folder), nprocs=2, join=True)
+    mp.spawn(_two_process_worker, args=(_free_port(), work, folder, small_sharegpt), nprocs=2,
+             join=True)
     reports = [json.loads((work / f"report-rank{rank}.json").read_text()) for rank in (0, 1)]
     return work, reports
 
