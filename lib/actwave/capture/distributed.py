@@ -31,10 +31,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from actwave.capture.store import (CaptureConfig, CaptureStore, capture_shard, pending_shards,
-                                   prepare_capture, record_shards, run_capture, store_dir,
-                                   verified_manifest)
-from actwave.config import atomic_write_json
+from actwave.capture.store import (CaptureConfig, CaptureStore, capture_shard, mark_complete,
+                                   pending_shards, prepare_capture, record_shards, run_capture,
+                                   store_dir, verified_manifest)
 from actwave.integrity import WriterLock
 from actwave.stats.distributed import process_group
 
@@ -70,8 +69,8 @@ def raise_failures(outcomes: list[tuple], error: Exception | None) -> None:
         raise error
     for rank, (_, text) in enumerate(outcomes):
         if text is not None:
-            raise RuntimeError(f"capture process {rank} failed: {text}; the shards already "
-                               "recorded are kept: run the capture again to resume")
+            raise RuntimeError(f"capture process {rank} failed: {text} (the shards already "
+                               "in the manifest are kept; a rerun resumes after them)")
 
 
 def on_every_process(work: Callable[[], object]) -> list:
@@ -114,10 +113,7 @@ def _agree_on_manifest(config: CaptureConfig, model, tokenizer, out, device) -> 
 
     def process_0() -> dict:
         manifest = verified_manifest(config, model, out)
-        if manifest is None or not manifest["complete"]:
-            return prepare(manifest)
-        atomic_write_json(out / "manifest.json", manifest)  # records legacy checksums
-        return manifest
+        return manifest if manifest is not None and manifest["complete"] else prepare(manifest)
 
     def the_others() -> None:
         if rank != 0:
@@ -127,11 +123,6 @@ def _agree_on_manifest(config: CaptureConfig, model, tokenizer, out, device) -> 
     if not manifest["complete"]:
         on_every_process(the_others)
     return manifest, prepared
-
-
-def _mark_complete(manifest: dict, out) -> None:
-    manifest["complete"] = True
-    atomic_write_json(out / "manifest.json", manifest)
 
 
 def capture_all_processes(config: CaptureConfig, model=None, tokenizer=None,
@@ -151,7 +142,7 @@ def capture_all_processes(config: CaptureConfig, model=None, tokenizer=None,
         if not manifest["complete"]:
             _capture_rounds(config, *prepared, manifest, out, progress)
             # Also the barrier after which the others open the finished store.
-            on_every_process(lambda: _mark_complete(manifest, out) if rank == 0 else None)
+            on_every_process(lambda: mark_complete(manifest, out) if rank == 0 else None)
     return CaptureStore(out)
 
 

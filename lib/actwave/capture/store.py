@@ -325,7 +325,14 @@ def verified_manifest(config: CaptureConfig, model, out: Path) -> dict | None:
         _drop_failed_shards(manifest, out)
         if model is not None:
             check_model(config, model, manifest, out)
+        if manifest["complete"]:
+            atomic_write_json(out / "manifest.json", manifest)  # records legacy checksums
     return manifest
+
+
+def mark_complete(manifest: dict, out: Path) -> None:
+    manifest["complete"] = True
+    atomic_write_json(out / "manifest.json", manifest)
 
 
 def prepare_capture(config: CaptureConfig, model, tokenizer, manifest: dict | None, out: Path,
@@ -358,13 +365,11 @@ def run_capture(config: CaptureConfig, model=None, tokenizer=None, progress: boo
     with WriterLock(out):
         manifest = verified_manifest(config, model, out)
         if manifest is not None and manifest["complete"]:
-            atomic_write_json(out / "manifest.json", manifest)  # records legacy checksums
             return CaptureStore(out)
         model, tokenizer, sequences, manifest = prepare_capture(config, model, tokenizer,
                                                                 manifest, out, device)
         _capture_shards(config, model, tokenizer, sequences, manifest, out, progress)
-        manifest["complete"] = True
-        atomic_write_json(out / "manifest.json", manifest)
+        mark_complete(manifest, out)
     return CaptureStore(out)
 
 
