@@ -162,11 +162,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = CaptureConfig(**{f.name: getattr(args, f.name) for f in fields(CaptureConfig)
                               if getattr(args, f.name) is not None})
-    accelerator = Accelerator()
-    store = capture_all_processes(config, device=accelerator.device)
-    if accelerator.is_main_process:
+    store = capture_all_processes(config, device=Accelerator().device)
+    rank, world_size = process_group()
+    if rank == 0:
         print(f"{store.n_tokens} tokens in {len(store.manifest['shards'])} shards over "
-              f"{accelerator.num_processes} processes: {store.path}")
+              f"{world_size} processes: {store.path}")
 
 
 if __name__ == "__main__":
