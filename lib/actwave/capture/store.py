@@ -269,32 +269,87 @@ def _drop_failed_shards(manifest: dict, path: Path) -> None:
     manifest["shards"] = kept
 
 
+def shard_name(shard_no: int) -> str:
+    return f"shard-{shard_no:05d}.safetensors"
+
+
+def pending_shards(manifest: dict, config: CaptureConfig, n_sequences: int) -> list[int]:
+    """Numbers of the shards of ``n_sequences`` sequences that the manifest lacks."""
+    done = {s["file"] for s in manifest["shards"]}
+    n_shards = len(range(0, n_sequences, config.sequences_per_shard))
+    return [no for no in range(n_shards) if shard_name(no) not in done]
+
+
+def capture_shard(config: CaptureConfig, model, tokenizer, sequences: list[dict],
+                  shard_no: int, out: Path) -> dict:
+    """Capture shard ``shard_no`` of ``sequences`` into ``out``; -> its manifest record."""
+    special_ids = set(tokenizer.all_special_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    start = shard_no * config.sequences_per_shard
+    chunk = sequences[start: start + config.sequences_per_shard]
+    parts = [capture_batch(model, chunk[b: b + config.batch_size], start + b, special_ids,
+                           DTYPES[config.storage_dtype], pad_id)
+             for b in range(0, len(chunk), config.batch_size)]
+    columns = _concat(parts)
+    record = _write_shard(out / shard_name(shard_no), columns)
+    return {"file": shard_name(shard_no), "n_tokens": int(columns["input_ids"].numel()),
+            "first_sequence": start, "n_sequences": len(chunk), **record}
+
+
+def record_shards(manifest: dict, records: list[dict], seconds: float, out: Path) -> None:
+    """Add finished shards' records to the manifest and rewrite it."""
+    manifest["shards"].extend(records)
+    # Shard order is token order: a recaptured shard goes back to its place.
+    manifest["shards"].sort(key=lambda s: s["file"])
+    manifest["n_tokens"] = sum(s["n_tokens"] for s in manifest["shards"])
+    manifest["seconds"] += seconds
+    atomic_write_json(out / "manifest.json", manifest)
+
+
 def _capture_shards(config: CaptureConfig, model, tokenizer, sequences: list[dict],
                     manifest: dict, out: Path, progress: bool) -> None:
     """Capture every shard the manifest lacks, rewriting the manifest after each one."""
-    done = {s["file"] for s in manifest["shards"]}
-    special_ids = set(tokenizer.all_special_ids)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    starts = range(0, len(sequences), config.sequences_per_shard)
-    for shard_no, start in enumerate(tqdm(starts, desc=f"capture {config.model}/{config.split}",
-                                          disable=not progress, mininterval=10)):
-        name = f"shard-{shard_no:05d}.safetensors"
-        if name in done:
-            continue
+    for shard_no in tqdm(pending_shards(manifest, config, len(sequences)),
+                         desc=f"capture {config.model}/{config.split}", disable=not progress,
+                         mininterval=10):
         tic = time.perf_counter()
-        chunk = sequences[start: start + config.sequences_per_shard]
-        parts = [capture_batch(model, chunk[b: b + config.batch_size], start + b, special_ids,
-                               DTYPES[config.storage_dtype], pad_id)
-                 for b in range(0, len(chunk), config.batch_size)]
-        columns = _concat(parts)
-        record = _write_shard(out / name, columns)
-        manifest["shards"].append({"file": name, "n_tokens": int(columns["input_ids"].numel()),
-                                   "first_sequence": start, "n_sequences": len(chunk), **record})
-        # Shard order is token order: a recaptured shard goes back to its place.
-        manifest["shards"].sort(key=lambda s: s["file"])
-        manifest["n_tokens"] = sum(s["n_tokens"] for s in manifest["shards"])
-        manifest["seconds"] += time.perf_counter() - tic
-        atomic_write_json(out / "manifest.json", manifest)
+        record = capture_shard(config, model, tokenizer, sequences, shard_no, out)
+        record_shards(manifest, [record], time.perf_counter() - tic, out)
+
+
+def verified_manifest(config: CaptureConfig, model, out: Path) -> dict | None:
+    """The folder's manifest with every shard that fails its checksum dropped, after checking
+    a passed ``model`` against it; None if there is none (call under the folder's lock)."""
+    manifest = _read_manifest(out)
+    if manifest is not None:
+        _drop_failed_shards(manifest, out)
+        if model is not None:
+            check_model(config, model, manifest, out)
+        if manifest["complete"]:
+            atomic_write_json(out / "manifest.json", manifest)  # records legacy checksums
+    return manifest
+
+
+def mark_complete(manifest: dict, out: Path) -> None:
+    manifest["complete"] = True
+    atomic_write_json(out / "manifest.json", manifest)
+
+
+def prepare_capture(config: CaptureConfig, model, tokenizer, manifest: dict | None, out: Path,
+                    device: str | torch.device = "cpu") -> tuple:
+    """Load the model if none is passed, check it and the split's data against ``manifest``
+    (a new one if None); -> (model, tokenizer, tokenized sequences, manifest)."""
+    if model is None:
+        model, tokenizer = load(config.model, dtype=DTYPES[config.dtype], device=device)
+    fingerprint = check_model(config, model, manifest, out)
+    sequences, dataset_hash = tokenize_split(config, tokenizer, model)
+    if not sequences:
+        raise ValueError(f"split {config.split!r} gave no sequences of >= 2 tokens")
+    if manifest is None:
+        manifest = _new_manifest(config, model, dataset_hash, len(sequences), tokenizer,
+                                 fingerprint)
+    _check_manifest(manifest, config, dataset_hash, out)
+    return model, tokenizer, sequences, manifest
 
 
 def run_capture(config: CaptureConfig, model=None, tokenizer=None, progress: bool = True,
@@ -303,31 +358,18 @@ def run_capture(config: CaptureConfig, model=None, tokenizer=None, progress: boo
 
     Pass a loaded ``model``/``tokenizer`` to reuse them, else ``config.model`` is loaded
     on ``device`` in ``config.dtype``. One writer at a time per store (``WriterLock``);
-    a finished store is re-verified and only shards that fail are recaptured.
+    a finished store is re-verified and only shards that fail are recaptured. Many
+    processes: ``actwave.capture.distributed``.
     """
     out = store_dir(config)
     with WriterLock(out):
-        manifest = _read_manifest(out)
-        if manifest is not None:
-            _drop_failed_shards(manifest, out)
-            if model is not None:
-                check_model(config, model, manifest, out)
-            if manifest["complete"]:
-                atomic_write_json(out / "manifest.json", manifest)  # records legacy checksums
-                return CaptureStore(out)
-        if model is None:
-            model, tokenizer = load(config.model, dtype=DTYPES[config.dtype], device=device)
-        fingerprint = check_model(config, model, manifest, out)
-        sequences, dataset_hash = tokenize_split(config, tokenizer, model)
-        if not sequences:
-            raise ValueError(f"split {config.split!r} gave no sequences of >= 2 tokens")
-        if manifest is None:
-            manifest = _new_manifest(config, model, dataset_hash, len(sequences), tokenizer,
-                                     fingerprint)
-        _check_manifest(manifest, config, dataset_hash, out)
+        manifest = verified_manifest(config, model, out)
+        if manifest is not None and manifest["complete"]:
+            return CaptureStore(out)
+        model, tokenizer, sequences, manifest = prepare_capture(config, model, tokenizer,
+                                                                manifest, out, device)
         _capture_shards(config, model, tokenizer, sequences, manifest, out, progress)
-        manifest["complete"] = True
-        atomic_write_json(out / "manifest.json", manifest)
+        mark_complete(manifest, out)
     return CaptureStore(out)
 
 
