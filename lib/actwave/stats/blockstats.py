@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from actwave.stats.metrics import (MIN_TOKENS_DEBIASED, LayerStats, _check_layers_finite,
-                                   centred_row_norm_products, cka_from_moments, entropy_from_cov)
+                                   centred_row_norm_products, cka_from_moments, entropy_from_cov,
+                                   moment_sums)
 
 # d × d float64 work blocks beside the accumulated ones: the float32 route's product and its
 # float64 copy, or eigvalsh's copy of a diagonal block.
@@ -101,10 +102,7 @@ class BlockPairStats:
     def _allocate(self, device: torch.device) -> None:
         L, d, f64 = self.num_layers, self.dim, torch.float64
         self.device = device
-        self._sums = torch.zeros(L, d, dtype=f64, device=device)
-        self._sq_sums = torch.zeros(L, dtype=f64, device=device)
-        self._sq_products = torch.zeros(L, L, dtype=f64, device=device)
-        self._sq_weighted = torch.zeros(L, L, d, dtype=f64, device=device)  # [a, b] = Σ‖x_a‖² x_b
+        self._sums, self._sq_sums, self._sq_products, self._sq_weighted = moment_sums(L, d, device)
         self._frob_sq = torch.zeros(L, L, dtype=f64, device=device)  # ‖Σ_ab‖²_F
         self._bilinear = torch.zeros(L, L, dtype=f64, device=device)  # μ_aᵀ Σ_ab μ_b
         self._traces = torch.zeros(L, dtype=f64, device=device)

@@ -392,6 +392,15 @@ def centred_row_norm_products(sq_products: Tensor, sq_weighted: Tensor, sq_sums:
             + 4 * bilinear + n * torch.outer(mean_sq, mean_sq))
 
 
+def moment_sums(num_layers: int, dim: int, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Zeroed float64 per-token moment sums that every streaming route keeps beside its
+    covariance blocks: Σx_a (L, d), Σ‖x_a‖² (L,), Σ‖x_a‖²‖x_b‖² (L, L), Σ‖x_a‖² x_b (L, L, d)."""
+    L, d, f64 = num_layers, dim, torch.float64
+    return (torch.zeros(L, d, dtype=f64, device=device), torch.zeros(L, dtype=f64, device=device),
+            torch.zeros(L, L, dtype=f64, device=device),
+            torch.zeros(L, L, d, dtype=f64, device=device))
+
+
 class StreamingLayerStats:
     """``LayerStats`` of L layers in one pass over token chunks, never forming an n×n Gram.
 
@@ -448,10 +457,7 @@ class StreamingLayerStats:
     def _allocate(self, device: torch.device) -> None:
         L, d, f64 = self.num_layers, self.dim, torch.float64
         self.device = device
-        self._sums = torch.zeros(L, d, dtype=f64, device=device)
-        self._sq_sums = torch.zeros(L, dtype=f64, device=device)
-        self._sq_products = torch.zeros(L, L, dtype=f64, device=device)
-        self._sq_weighted = torch.zeros(L, L, d, dtype=f64, device=device)  # [a, b] = Σ‖x_a‖² x_b
+        self._sums, self._sq_sums, self._sq_products, self._sq_weighted = moment_sums(L, d, device)
         self._cross = {(a, b): torch.zeros(d, d, dtype=f64, device=device)
                        for a in range(L) for b in range(a, L)}
         if self._reference is not None:
