@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from actwave.capture.models import decoder_layers, final_norm, num_layers
-from actwave.stats.metrics import token_entropy
+from actwave.stats.metrics import entropy_and_argmax_of_logits
 
 
 def validate_layers(layer_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
@@ -116,9 +116,9 @@ def entropy_and_argmax(model, last_prenorm: torch.Tensor, chunk: int = 1024):
     """
     entropies, argmaxes = [], []
     for part in last_prenorm.split(chunk):
-        logits = target_logits(model, part).float()
-        entropies.append(token_entropy(logits))
-        argmaxes.append(logits.argmax(-1))
+        entropy, argmax = entropy_and_argmax_of_logits(target_logits(model, part))
+        entropies.append(entropy)
+        argmaxes.append(argmax)
     return torch.cat(entropies), torch.cat(argmaxes)
 
 

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from actwave.stats.metrics import (MIN_TOKENS_DEBIASED, LayerStats, _check_layers_finite,
-                                   centred_row_norm_products, cka_from_moments, entropy_from_cov,
-                                   moment_sums)
+                                   add_moments, centred_row_norm_products, cka_from_moments,
+                                   entropy_from_cov, kept_tokens, moment_sums)
 
 # d × d float64 work blocks beside the accumulated ones: the float32 route's product and its
 # float64 copy, or eigvalsh's copy of a diagonal block.
@@ -119,22 +119,15 @@ class BlockPairStats:
         """Add tokens ``hidden: (L, n, d)`` to the current pass, optionally only ``keep: (n,)``."""
         if self.done:
             raise RuntimeError(f"all {len(self.schedule)} passes are done; call finalize()")
-        if hidden.ndim != 3 or hidden.shape[0] != self.num_layers or hidden.shape[2] != self.dim:
-            raise ValueError(f"hidden must be (L={self.num_layers}, n, d={self.dim}), "
-                             f"got {tuple(hidden.shape)}")
+        kept = kept_tokens(hidden, keep, self.num_layers, self.dim)
         if self.pass_index == 0:
             self.n_seen += hidden.shape[1]
-        if keep is not None:
-            if keep.dtype != torch.bool or keep.shape != (hidden.shape[1],):
-                raise ValueError(f"keep must be a bool tensor of shape ({hidden.shape[1]},), "
-                                 f"got {keep.dtype} {tuple(keep.shape)}")
-            hidden = hidden[:, keep.to(hidden.device)]
         if not hasattr(self, "_sums"):
-            self._allocate(self.device or hidden.device)
+            self._allocate(self.device or kept.device)
         if not self._blocks:
             self._open_pass()
-        for start in range(0, hidden.shape[1], self.chunk_tokens):
-            self._accumulate(hidden[:, start:start + self.chunk_tokens])
+        for start in range(0, kept.shape[1], self.chunk_tokens):
+            self._accumulate(kept[:, start:start + self.chunk_tokens])
 
     def _accumulate(self, chunk: Tensor) -> None:
         first_pass = self.pass_index == 0
@@ -153,18 +146,10 @@ class BlockPairStats:
                 block.addmm_(x[position[a]].T, x[position[b]])
             else:
                 block += (low[position[a]].T @ low[position[b]]).to(torch.float64)
-        if first_pass:
-            self._accumulate_moments(x)
+        if first_pass:  # the per-token sums of all layers, once
+            add_moments((self._sums, self._sq_sums, self._sq_products, self._sq_weighted), x)
+            self.n_tokens += x.shape[1]
         self._pass_tokens += x.shape[1]
-
-    def _accumulate_moments(self, x: Tensor) -> None:
-        """The per-token sums of ``metrics.StreamingLayerStats``, all layers ``x: (L, m, d)``."""
-        sq_norms = torch.linalg.vector_norm(x, dim=-1).square()  # (L, m)
-        self._sums += x.sum(dim=1)
-        self._sq_sums += sq_norms.sum(dim=1)
-        self._sq_products += sq_norms @ sq_norms.T
-        self._sq_weighted += torch.matmul(sq_norms[None], x).transpose(0, 1)
-        self.n_tokens += x.shape[1]
 
     def end_pass(self) -> None:
         """Centre this pass's blocks, keep their scalars, free them."""

@@ -251,15 +251,27 @@ def minibatch_cka(batches: Iterable[tuple[Tensor, Tensor]]) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- tokens
-def token_entropy(logits: Tensor) -> Tensor:
-    """Predictive entropy H(softmax(z)) in nats of ``logits: (..., V)`` -> ``(...)``, fp32.
+def entropy_and_argmax_of_logits(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Predictive entropy H(softmax(z)) in nats (fp32) and argmax of ``logits: (..., V)``
+    -> ``((...), (...))``.
 
-    logsumexp(z) − Σ softmax(z)·z; −inf logits (masked vocabulary) contribute 0.
+    With s = z − max z and w = exp(s): H = log Σw − Σ w·s / Σw. One pass for max and
+    argmax, one exp, no normalised copy; the shift keeps both terms small, so in float32 it
+    stays within ~1e-6 nats of a float64 evaluation, where logsumexp(z) − Σ softmax(z)·z
+    loses ~1e-4 to cancellation. −inf logits (masked vocabulary) weigh 0.
     """
     z = logits.to(torch.float32)
-    probs = torch.softmax(z, dim=-1)
-    weighted = torch.where(probs > 0, probs * z, torch.zeros_like(z))
-    return torch.logsumexp(z, dim=-1) - weighted.sum(dim=-1)
+    top, argmax = z.max(dim=-1)
+    shifted = (z - top.unsqueeze(-1)).clamp_min_(torch.finfo(torch.float32).min)  # no 0·(−inf)
+    weights = shifted.exp()
+    total = weights.sum(dim=-1)
+    return total.log() - torch.linalg.vecdot(weights, shifted) / total, argmax
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Predictive entropy in nats (fp32) of ``logits: (..., V)`` -> ``(...)``; see
+    ``entropy_and_argmax_of_logits``."""
+    return entropy_and_argmax_of_logits(logits)[0]
 
 
 def quantile_threshold(entropy: Tensor, quantile: float) -> Tensor:
@@ -401,6 +413,30 @@ def moment_sums(num_layers: int, dim: int, device) -> tuple[Tensor, Tensor, Tens
             torch.zeros(L, L, d, dtype=f64, device=device))
 
 
+def add_moments(moments: tuple[Tensor, Tensor, Tensor, Tensor], x: Tensor) -> None:
+    """Add the shifted tokens ``x: (L, m, d)`` (float64) to ``moment_sums``' four sums, in place."""
+    sums, sq_sums, sq_products, sq_weighted = moments
+    sq_norms = torch.linalg.vector_norm(x, dim=-1).square()  # (L, m)
+    sums += x.sum(dim=1)
+    sq_sums += sq_norms.sum(dim=1)
+    sq_products += sq_norms @ sq_norms.T
+    sq_weighted += torch.matmul(sq_norms[None], x).transpose(0, 1)  # [a, b] = Σ q_a x_b
+
+
+def kept_tokens(hidden: Tensor, keep: Tensor | None, num_layers: int, dim: int) -> Tensor:
+    """``hidden: (L, n, d)`` checked against (num_layers, dim), restricted to ``keep: (n,)``
+    bool when given -> (L, n_kept, d). Both streaming routes take their input through here."""
+    if hidden.ndim != 3 or hidden.shape[0] != num_layers or hidden.shape[2] != dim:
+        raise ValueError(f"hidden must be (L={num_layers}, n, d={dim}), "
+                         f"got {tuple(hidden.shape)}")
+    if keep is None:
+        return hidden
+    if keep.dtype != torch.bool or keep.shape != (hidden.shape[1],):
+        raise ValueError(f"keep must be a bool tensor of shape ({hidden.shape[1]},), "
+                         f"got {keep.dtype} {tuple(keep.shape)}")
+    return hidden[:, keep.to(hidden.device)]
+
+
 class StreamingLayerStats:
     """``LayerStats`` of L layers in one pass over token chunks, never forming an n×n Gram.
 
@@ -477,19 +513,12 @@ class StreamingLayerStats:
         """Add tokens ``hidden: (L, n, d)`` (any float dtype), optionally only ``keep: (n,)``."""
         if self._finalized:
             raise RuntimeError("finalize() already consumed this accumulator")
-        if hidden.ndim != 3 or hidden.shape[0] != self.num_layers or hidden.shape[2] != self.dim:
-            raise ValueError(f"hidden must be (L={self.num_layers}, n, d={self.dim}), "
-                             f"got {tuple(hidden.shape)}")
+        kept = kept_tokens(hidden, keep, self.num_layers, self.dim)
         self.n_seen += hidden.shape[1]
-        if keep is not None:
-            if keep.dtype != torch.bool or keep.shape != (hidden.shape[1],):
-                raise ValueError(f"keep must be a bool tensor of shape ({hidden.shape[1]},), "
-                                 f"got {keep.dtype} {tuple(keep.shape)}")
-            hidden = hidden[:, keep.to(hidden.device)]
         if not hasattr(self, "_cross"):  # first call: accumulators on the given/input device
-            self._allocate(self.device or hidden.device)
-        for start in range(0, hidden.shape[1], self.chunk_tokens):
-            self._accumulate(hidden[:, start:start + self.chunk_tokens])
+            self._allocate(self.device or kept.device)
+        for start in range(0, kept.shape[1], self.chunk_tokens):
+            self._accumulate(kept[:, start:start + self.chunk_tokens])
 
     def _accumulate(self, chunk: Tensor) -> None:
         x = chunk.to(device=self.device, dtype=torch.float64, copy=True)  # (L, m, d), own copy
@@ -505,11 +534,7 @@ class StreamingLayerStats:
             low = x.to(self.matmul_dtype)
             for (a, b), cross in self._cross.items():
                 cross += (low[a].T @ low[b]).to(torch.float64)
-        sq_norms = torch.linalg.vector_norm(x, dim=-1).square()  # (L, m)
-        self._sums += x.sum(dim=1)
-        self._sq_sums += sq_norms.sum(dim=1)
-        self._sq_products += sq_norms @ sq_norms.T
-        self._sq_weighted += torch.matmul(sq_norms[None], x).transpose(0, 1)  # [a, b]=Σq_a x_b
+        add_moments((self._sums, self._sq_sums, self._sq_products, self._sq_weighted), x)
         self.n_tokens += x.shape[1]
 
     def _centred_row_norm_products(self, mean: Tensor) -> Tensor:
