@@ -1,14 +1,15 @@
 """Every performance benchmark in one run, then one summary table of the ratios they measure.
 
     .venv/bin/python benchmarks/run_all.py [--size quick|full] [--only capture,metrics,...]
-        [--drafts results/cpu/06_drafts.json] [--out results/benchmarks]
+        [--draft DIR] [--out results/benchmarks]
 
 Each ratio compares two routes measured side by side in the same benchmark run (never a
 number from another machine or day). ``--size quick`` (~5 min on 2 cores) shrinks every
 benchmark to a smoke size; ``full`` (the default) uses the sizes the README quotes.
 The trained draft for the speculative and round benchmarks is ``--draft`` (a folder), else
-notebook 06's EAGLE-3-default draft from its manifest (``--drafts``) when its folder exists
-in the cache; otherwise a random draft stands in and the summary says so. The table is printed and written to ``<out>/summary.{csv,md}`` with
+the benchmark draft of ``benchmarks/train_draft.py`` (``results/benchmarks/draft.json``),
+else notebook 06's EAGLE-3-default draft from its manifest (``--drafts``), whichever is
+first found in the cache; otherwise a random draft stands in and the summary says so. The table is printed and written to ``<out>/summary.{csv,md}`` with
 the machine and package versions in ``<out>/summary.json``.
 """
 from __future__ import annotations
@@ -58,12 +59,15 @@ SIZES = {
 BENCHMARKS = tuple(SIZES["full"])
 
 
-def draft_arguments(manifest: Path, model: str = "smollm2-135m") -> list[str]:
-    """--draft: notebook 06's EAGLE-3-default draft from its manifest, if it exists."""
-    if not manifest.exists():
-        return []
-    folder = json.loads(manifest.read_text()).get(model, {}).get("eagle3_default")
-    return ["--draft", folder] if folder and (cache_dir() / folder).is_dir() else []
+def draft_arguments(bench_draft: Path, manifest: Path, model: str = "smollm2-135m") -> list[str]:
+    """--draft: train_draft.py's draft, else notebook 06's EAGLE-3-default one, if cached."""
+    folders = []
+    if bench_draft.exists():
+        folders.append(json.loads(bench_draft.read_text())["draft"])
+    if manifest.exists():
+        folders.append(json.loads(manifest.read_text()).get(model, {}).get("eagle3_default"))
+    found = [folder for folder in folders if folder and (cache_dir() / folder).is_dir()]
+    return ["--draft", found[0]] if found else []
 
 
 def run_benchmarks(size: str, names: list[str], drafts: list[str]) -> pd.DataFrame:
@@ -97,6 +101,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--only", default=",".join(BENCHMARKS),
                         help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    parser.add_argument("--bench-draft", type=Path,
+                        default=repo_root() / "results/benchmarks/draft.json")
     parser.add_argument("--drafts", type=Path, default=repo_root() / "results/cpu/06_drafts.json")
     parser.add_argument("--draft", help="trained draft folder for speculative/round (overrides --drafts)")
     parser.add_argument("--out", type=Path, default=repo_root() / "results/benchmarks")
@@ -105,7 +111,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     unknown = sorted(set(names) - set(BENCHMARKS))
     if unknown or not names:
         parser.error(f"unknown benchmark(s) {unknown or names}; choose from {BENCHMARKS}")
-    drafts = ["--draft", args.draft] if args.draft else draft_arguments(args.drafts)
+    drafts = ["--draft", args.draft] if args.draft else draft_arguments(args.bench_draft,
+                                                                        args.drafts)
     table = run_benchmarks(args.size, names, drafts)
     write_summary(table, args.out, args.size)
     print(f"\n===== summary ({args.size}; ratios of routes measured side by side)")

@@ -36,17 +36,22 @@ def test_unknown_benchmark_is_refused(run_all, capsys):
     assert "warp" in capsys.readouterr().err
 
 
-def test_drafts_come_from_the_notebook_manifest_only_when_present(run_all, tmp_path,
-                                                                   monkeypatch):
+def test_drafts_come_from_the_bench_draft_then_the_notebook_manifest_when_cached(
+        run_all, tmp_path, monkeypatch):
     monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
     (tmp_path / "cache" / "drafts" / "a").mkdir(parents=True)
-    manifest = tmp_path / "06_drafts.json"
+    bench_draft, manifest = tmp_path / "draft.json", tmp_path / "06_drafts.json"
+    missing = tmp_path / "missing.json"
     manifest.write_text(json.dumps({"smollm2-135m": {"eagle3_default": "drafts/a",
                                                      "entropy_cka_filtered": "drafts/gone"}}))
-    assert run_all.draft_arguments(manifest) == ["--draft", "drafts/a"]
+    assert run_all.draft_arguments(missing, manifest) == ["--draft", "drafts/a"]
+    bench_draft.write_text(json.dumps({"draft": "bench-drafts/b/draft"}))
+    assert run_all.draft_arguments(bench_draft, manifest) == ["--draft", "drafts/a"]  # not cached
+    (tmp_path / "cache" / "bench-drafts" / "b" / "draft").mkdir(parents=True)
+    assert run_all.draft_arguments(bench_draft, manifest) == ["--draft", "bench-drafts/b/draft"]
     manifest.write_text(json.dumps({"smollm2-135m": {"eagle3_default": "drafts/gone"}}))
-    assert run_all.draft_arguments(manifest) == []
-    assert run_all.draft_arguments(tmp_path / "missing.json") == []
+    assert run_all.draft_arguments(missing, manifest) == []
+    assert run_all.draft_arguments(missing, missing) == []
 
 
 def test_speculative_summary_rows_mark_random_drafts_and_report_shapes(monkeypatch):
@@ -66,3 +71,36 @@ def test_speculative_summary_rows_mark_random_drafts_and_report_shapes(monkeypat
     assert rows[0]["measure"].endswith("(fp32)") and "RANDOM" in rows[2]["measure"]
     assert "speedup/tau 0.40" in rows[1]["detail"] and "tree 4/4/16" in rows[1]["detail"]
     assert "auto: chain 3/1/4, predicted 1.05x" in rows[2]["detail"]
+
+
+def test_bench_draft_trains_on_regenerated_replies_and_resumes_from_the_pin(tmp_path,
+                                                                            monkeypatch):
+    """train_draft.py on a tiny Llama: replies regenerated and pinned, the draft trained
+    online into the cache, its cost recorded; with the regeneration cache gone, a rerun
+    restores the pinned text and finds the finished draft (no step retrained)."""
+    import shutil
+
+    from conftest import save_tiny_llama
+    from test_cli import tiny_tokenizer
+
+    monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(repo_root() / "benchmarks"))
+    train_draft = importlib.import_module("train_draft")
+    folder = save_tiny_llama(tmp_path / "tiny-bench-llama", tiny_tokenizer(), hidden_size=32)
+    argv = ["--model", folder, "--layers", "1,3,5", "--conversations", "3",
+            "--max-seq-len", "64", "--regen-new-tokens", "8", "--steps", "3",
+            "--warmup-steps", "1", "--checkpoint-every", "2", "--draft-vocab-size", "64",
+            "--out", str(tmp_path / "out")]
+    draft_dir = train_draft.main(argv)
+    record = json.loads((tmp_path / "out" / "draft.json").read_text())
+    assert (tmp_path / "cache" / record["draft"] / "config.json").exists()
+    assert record["train_config"]["layer_ids"] == [1, 3, 5] and record["train_steps"] == 3
+    assert record["train_seconds"] > 0 and record["train_tokens"] > 0
+    assert record["regen_conversations"] == 3 and 0 < record["regen_new_tokens"] <= 3 * 8
+    pinned = list((tmp_path / "out" / "regenerated").glob("*/manifest.json"))
+    assert len(pinned) == 1
+    history = (draft_dir / "history.csv").read_text()
+    shutil.rmtree(tmp_path / "cache" / "regenerated")
+    assert train_draft.main(argv) == draft_dir
+    assert (draft_dir / "history.csv").read_text() == history
+    assert (tmp_path / "cache" / "regenerated").is_dir()
