@@ -30,7 +30,7 @@ from actwave.eagle3 import Eagle3Draft
 from actwave.stats.selection import eagle3_default
 
 DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16"}
-COLUMNS = ["method", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "tau",
+COLUMNS = ["label", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "tau",
            "speedup_per_tau", "exact_match_rate", "n_prompts"]
 
 
@@ -86,13 +86,13 @@ def compare(args) -> tuple[pd.DataFrame, dict, bool]:
     fixed = dict(mode="tree", depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
     first = run(target, tokenizer, draft, "spec_fixed", fixed, True, args)
     second = run(target, tokenizer, draft, "spec_auto", shape.settings(), False, args)
-    table = pd.concat([first, second[second.method != "greedy"]], ignore_index=True)
+    table = pd.concat([first, second[second.label != "greedy"]], ignore_index=True)
     info = {"acceptance": acceptance, "shape": shape, "fixed": fixed, "dtype": args.dtype}
     return table, info, trained
 
 
 def summary_rows(table: pd.DataFrame, info: dict, trained: bool) -> list[dict]:
-    """One run_all.py row per method: its tokens/s relative to our plain greedy."""
+    """One run_all.py row per label: its tokens/s relative to our plain greedy."""
     mark = "" if trained else " [RANDOM draft]"
     shape, fixed = info["shape"], info["fixed"]
     shapes = {"spec_fixed": f"tree {fixed['depth']}/{fixed['top_k']}/{fixed['total_tokens']}",
@@ -100,13 +100,13 @@ def summary_rows(table: pd.DataFrame, info: dict, trained: bool) -> list[dict]:
                            f"predicted {shape.predicted_speedup:.2f}x"}
     rows = []
     for row in table.itertuples():
-        if row.method == "greedy":
+        if row.label == "greedy":
             continue
-        spec = row.method in shapes
-        detail = (f"tau {row.tau:.2f}; speedup/tau {row.speedup_per_tau:.2f}; {shapes[row.method]}; "
+        spec = row.label in shapes
+        detail = (f"tau {row.tau:.2f}; speedup/tau {row.speedup_per_tau:.2f}; {shapes[row.label]}; "
                   if spec else "")
         rows.append({"benchmark": "speculative",
-                     "measure": f"{row.method} / our greedy tok/s ({DTYPE_LABELS[info.get('dtype', 'float32')]})"
+                     "measure": f"{row.label} / our greedy tok/s ({DTYPE_LABELS[info.get('dtype', 'float32')]})"
                                 + (mark if spec else ""),
                      "ratio": row.speedup, "target": ">= 1 (issue), 1.5 aim" if spec else "-",
                      "detail": detail + f"exact {row.exact_match_rate:.0%}; {row.n_prompts} prompts"})

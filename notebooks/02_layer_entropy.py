@@ -70,15 +70,15 @@ default_layers = {name: selection.eagle3_default(n) for name, n in num_layers.it
 default_layers
 
 # %%
-per_layer = pd.concat([plots.layer_table(s, model=name, setting=label)
+per_layer = pd.concat([plots.layer_table(s, model=name, token_set=label)
                        for (name, label), s in stats.items()], ignore_index=True)
 per_layer["depth"] = per_layer["layer"] / per_layer["model"].map(num_layers)
 plots.save_table(per_layer, "02_layer_entropy", NOTEBOOK, results_dir,
-                 sort_by=["model", "setting", "layer"])
-kept = pd.DataFrame([{"model": name, "setting": label, "n_tokens": s.n_tokens,
+                 sort_by=["model", "token_set", "layer"])
+kept = pd.DataFrame([{"model": name, "token_set": label, "n_tokens": s.n_tokens,
                       "n_seen": s.n_seen, "kept_fraction": s.kept_fraction}
                      for (name, label), s in stats.items()])
-plots.save_table(kept, "02_kept_fraction", NOTEBOOK, results_dir, sort_by=["model", "setting"])
+plots.save_table(kept, "02_kept_fraction", NOTEBOOK, results_dir, sort_by=["model", "token_set"])
 kept
 
 # %% [markdown]
@@ -88,9 +88,9 @@ kept
 for name in model_names:
     curves = per_layer[per_layer["model"] == name].rename(
         columns={"entropy": "Shannon H₁", "renyi2": "Rényi-2 H₂"}).melt(
-        id_vars=["layer", "setting"], value_vars=["Shannon H₁", "Rényi-2 H₂"],
+        id_vars=["layer", "token_set"], value_vars=["Shannon H₁", "Rényi-2 H₂"],
         var_name="measure", value_name="nats")
-    fig = plots.plot_layer_curves(curves, y="nats", hue="setting", col="measure",
+    fig = plots.plot_layer_curves(curves, y="nats", hue="token_set", col="measure",
                                   marked_layers=default_layers[name], sharey=True,
                                   ylabel="matrix entropy (nats)", title=name)
     saved = plots.save_figure(fig, f"02_entropy_depth_{model_zoo.slug(name)}", NOTEBOOK)
@@ -99,8 +99,8 @@ for name in model_names:
 # ## All models on one relative-depth axis (normalised entropy H₁ / log min(n, d))
 
 # %%
-fig = plots.plot_layer_curves(per_layer[per_layer["setting"] != "all + special"],
-                              x="depth", y="entropy_norm", hue="model", style="setting",
+fig = plots.plot_layer_curves(per_layer[per_layer["token_set"] != "all + special"],
+                              x="depth", y="entropy_norm", hue="model", style="token_set",
                               ylabel="normalised entropy", title="entropy across depth")
 fig.axes[0].set_xlabel("relative depth ℓ / N")
 saved = plots.save_figure(fig, "02_entropy_depth_all", NOTEBOOK)
@@ -112,14 +112,14 @@ saved = plots.save_figure(fig, "02_entropy_depth_all", NOTEBOOK)
 
 # %%
 candidates = per_layer[per_layer["layer"] >= 1]
-peaks = candidates.loc[candidates.groupby(["model", "setting"])["entropy"].idxmax(),
-                       ["model", "setting", "layer", "entropy"]]
-troughs = candidates.loc[candidates.groupby(["model", "setting"])["entropy"].idxmin(),
-                         ["model", "setting", "layer", "entropy"]]
-extremes = peaks.merge(troughs, on=["model", "setting"], suffixes=("_max", "_min"))
+peaks = candidates.loc[candidates.groupby(["model", "token_set"])["entropy"].idxmax(),
+                       ["model", "token_set", "layer", "entropy"]]
+troughs = candidates.loc[candidates.groupby(["model", "token_set"])["entropy"].idxmin(),
+                         ["model", "token_set", "layer", "entropy"]]
+extremes = peaks.merge(troughs, on=["model", "token_set"], suffixes=("_max", "_min"))
 plots.save_table(extremes, "02_entropy_extremes", NOTEBOOK, results_dir,
-                 sort_by=["model", "setting"])
-wide = per_layer.pivot_table(index=["model", "layer"], columns="setting", values="entropy")
+                 sort_by=["model", "token_set"])
+wide = per_layer.pivot_table(index=["model", "layer"], columns="token_set", values="entropy")
 special_shift = (wide["all + special"] - wide["all tokens"]).groupby("model").agg(["min", "max"])
 print(extremes.to_string(index=False))
 print("\nShannon entropy change when special tokens are kept (nats):")

@@ -19,7 +19,7 @@
 # debiased matrix is the one used for selection. *Compartments* — contiguous blocks of
 # mutually similar layers, found by maximising modularity over contiguous segmentations
 # (`actwave.stats.metrics.compartments`) — are drawn as boxes; the EAGLE-3 default layers are
-# marked in green. Special tokens are excluded unless the setting says otherwise.
+# marked in green. Special tokens are excluded unless the token set says otherwise.
 
 # %% tags=["parameters"]
 profile = "cpu"
@@ -93,17 +93,17 @@ for name in model_names:
 
 # %%
 compartment_rows = pd.DataFrame([
-    {"model": name, "setting": label, "cka": kind, "block": i, "first": first, "last": last,
+    {"model": name, "token_set": label, "cka": kind, "block": i, "first": first, "last": last,
      "eagle3_default_layers": sum(first <= v <= last for v in default_layers[name])}
     for (name, label, kind), found in blocks.items() for i, (first, last) in enumerate(found)])
 plots.save_table(compartment_rows, "03_compartments", NOTEBOOK, results_dir,
-                 sort_by=["model", "setting", "cka", "block"])
+                 sort_by=["model", "token_set", "cka", "block"])
 floor = pd.DataFrame([
-    {"model": name, "setting": label, "n_tokens": s.n_tokens,
+    {"model": name, "token_set": label, "n_tokens": s.n_tokens,
      "mean_offdiag_debiased": float(selection_report.off_diagonal_mean(s.cka)),
      "mean_offdiag_biased": float(selection_report.off_diagonal_mean(s.cka_biased))}
     for (name, label), s in stats.items()])
 floor["floor"] = floor["mean_offdiag_biased"] - floor["mean_offdiag_debiased"]
-plots.save_table(floor, "03_cka_floor", NOTEBOOK, results_dir, sort_by=["model", "setting"])
+plots.save_table(floor, "03_cka_floor", NOTEBOOK, results_dir, sort_by=["model", "token_set"])
 print(compartment_rows[compartment_rows["cka"] == "debiased"].to_string(index=False))
 floor

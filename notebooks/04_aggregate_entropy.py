@@ -111,7 +111,7 @@ for name in model_names:
 
 # %%
 summary = pd.DataFrame([
-    {"model": name, "setting": label, "n_subsets": len(scores), "best": best,
+    {"model": name, "token_set": label, "n_subsets": len(scores), "best": best,
      "best_renyi2": float(scores.max()), "median_renyi2": float(scores.median()),
      "worst_renyi2": float(scores.min()),
      **{f"{ref}_renyi2": selection.score_of(layers, subsets, scores)
@@ -119,7 +119,8 @@ summary = pd.DataFrame([
      **{f"{ref}_pct": selection.percentile(selection.score_of(layers, subsets, scores), scores)
         for ref, layers in reference_sets[name].items()}}
     for (name, label), (best, subsets, scores) in triples.items()])
-plots.save_table(summary, "04_triples_summary", NOTEBOOK, results_dir, sort_by=["model", "setting"])
+plots.save_table(summary, "04_triples_summary", NOTEBOOK, results_dir,
+                 sort_by=["model", "token_set"])
 summary.T
 
 # %% [markdown]
@@ -134,14 +135,14 @@ shannon = {(name, label): selection.aggregate_score(analysis.compute_layer_stats
                stores[name], settings[label], device=device), alpha=1.0)(top_sets[(name, label)])
            for name, label in keys}
 top_table = pd.DataFrame([
-    {"model": name, "setting": label, "rank_renyi2": rank + 1, "layers": tuple(row),
+    {"model": name, "token_set": label, "rank_renyi2": rank + 1, "layer_ids": tuple(row),
      "renyi2": selection.score_of(row, *triples[(name, label)][1:]),
      "shannon": float(value),
      "is_default": tuple(row) == reference_sets[name]["EAGLE-3 default"]}
     for (name, label), sets in top_sets.items()
     for rank, (row, value) in enumerate(zip(sets.tolist(), shannon[(name, label)]))])
 plots.save_table(top_table, "04_shannon_top", NOTEBOOK, results_dir,
-                 sort_by=["model", "setting", "rank_renyi2"])
-agreement = top_table.groupby(["model", "setting"])[["renyi2", "shannon"]].corr(
+                 sort_by=["model", "token_set", "rank_renyi2"])
+agreement = top_table.groupby(["model", "token_set"])[["renyi2", "shannon"]].corr(
     method="spearman").xs("renyi2", level=2)["shannon"].rename("spearman_renyi2_shannon")
 agreement

@@ -77,16 +77,17 @@ stores, settings
 records = {(name, label): selection_report.compare_methods(analysis.compute_layer_stats(
                stores[name], settings[label], device=device), methods, k=config.k)
            for name, label in keys}
-table = pd.DataFrame([{"model": name, "setting": label, **record}
+table = pd.DataFrame([{"model": name, "token_set": label, **record}
                       for (name, label), rows in records.items() for record in rows])
+table = table.rename(columns={"layers": "layer_ids"})  # compare_methods: "layers"
 plots.save_table(table, "05_selection", NOTEBOOK, results_dir,
-                 sort_by=["model", "setting", "label"])
-table[["model", "setting", "label", "layers", "renyi2", "renyi2_pct", "logdet_pct"]]
+                 sort_by=["model", "token_set", "label"])
+table[["model", "token_set", "label", "layer_ids", "renyi2", "renyi2_pct", "logdet_pct"]]
 
 # %%
 for objective in ("renyi2", "logdet"):
     fig = plots.plot_method_scores(
-        table, method="label", value=f"{objective}_pct", hue="setting", col="model",
+        table, method="label", value=f"{objective}_pct", hue="token_set", col="model",
         xlabel=f"percentile of {objective} among all C(N, {config.k}) sets",
         title=f"where each method's set falls ({objective})")
     saved = plots.save_figure(fig, f"05_selection_{objective}", NOTEBOOK)

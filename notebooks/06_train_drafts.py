@@ -100,7 +100,7 @@ rows = []
 for (name, label), result in runs.items():
     history = pd.DataFrame(result.history)
     tail = history.tail(max(1, len(history) // 10))
-    rows.append({"model": name, "label": label, "layers": list(result.draft.layer_ids),
+    rows.append({"model": name, "label": label, "layer_ids": list(result.draft.layer_ids),
                  "steps": len(history), "train_loss": tail["loss"].mean(),
                  "seconds": result.seconds,
                  **{k: v for k, v in result.metrics.items() if k.startswith("acc_")}})

@@ -96,34 +96,34 @@ for name in model_names:
 # %%
 summary = pd.concat([run["summary"].assign(model=name) for name, run in runs.items()])
 plots.save_table(summary, f"{NOTEBOOK}_summary", NOTEBOOK, results_dir,
-                 sort_by=["model", "benchmark", "method"])
+                 sort_by=["model", "benchmark", "label"])
 main = pd.concat([evaluate.main_table(run["summary"], layer_sets[name]).assign(model=name)
                   for name, run in runs.items()])
 main = main[["model"] + [c for c in main.columns if c != "model"]]
-plots.save_table(main, f"{NOTEBOOK}_main", NOTEBOOK, results_dir, sort_by=["model", "method"])
+plots.save_table(main, f"{NOTEBOOK}_main", NOTEBOOK, results_dir, sort_by=["model", "label"])
 main
 
 # %% [markdown]
 # ## Does the selection score predict τ?
-# Scores of each trained draft's layer set (notebook 05, per token-filter setting) against
+# Scores of each trained draft's layer set (notebook 05, per token set) against
 # its τ pooled over benchmarks; rank correlations per model and pooled ("all": ranks taken
 # within each model first). A handful of drafts per model: read the p-values.
 
 # %%
-taus = pd.DataFrame([{"model": name, "method": row.method,
-                      "layers": layer_sets[name][row.method], "tau": row.tau}
+taus = pd.DataFrame([{"model": name, "label": row.label,
+                      "layer_ids": layer_sets[name][row.label], "tau": row.tau}
                      for name, run in runs.items()
                      for row in run["summary"].itertuples()
-                     if row.benchmark == "all" and row.method in layer_sets[name]])
+                     if row.benchmark == "all" and row.label in layer_sets[name]])
 selection_path = results_dir / "05_selection.csv"
 if selection_path.exists():
     joined, correlations = evaluate.tau_vs_scores(taus, evaluate.read_selection_scores(selection_path))
 else:
     logging.warning("%s missing: run notebook 05 for the score correlations", selection_path)
-    joined, correlations = taus.iloc[:0].assign(setting="", score="", value=0.0), pd.DataFrame()
+    joined, correlations = taus.iloc[:0].assign(token_set="", score="", value=0.0), pd.DataFrame()
 if not correlations.empty:
     plots.save_table(correlations, f"{NOTEBOOK}_tau_vs_score", NOTEBOOK, results_dir,
-                     sort_by=["model", "setting", "score"])
+                     sort_by=["model", "token_set", "score"])
 correlations
 
 # %%
@@ -139,7 +139,7 @@ if not shown.empty:
 # %%
 acceptance = pd.concat([run["acceptance"].assign(model=name) for name, run in runs.items()])
 plots.save_table(acceptance, f"{NOTEBOOK}_acceptance", NOTEBOOK, results_dir,
-                 sort_by=["model", "benchmark", "method", "position"])
+                 sort_by=["model", "benchmark", "label", "position"])
 for name in model_names:
     fig = plots.plot_acceptance(acceptance[acceptance["model"] == name],
                                 title=f"{name}: acceptance per draft position")

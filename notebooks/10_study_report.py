@@ -73,7 +73,7 @@ correlations = pd.concat([report.proxy_correlations(
     summaries[name], sets[name], n_permutations=n_permutations, seed=seed).assign(model=name)
     for name in model_names], ignore_index=True)
 plots.save_table(correlations, "10_proxy_correlations", NOTEBOOK, results_dir,
-                 sort_by=["model", "setting", "proxy"])
+                 sort_by=["model", "token_set", "proxy"])
 for name in model_names:
     plots.save_figure(report.plot_proxy_vs_tau(summaries[name], sets[name], title=name),
                       f"10_proxy_vs_tau_{model_zoo.slug(name)}", NOTEBOOK)

@@ -14,7 +14,7 @@
 # # 11 · Is the wave real? Sensitivity of the entropy curve, the selected sets and the compartments
 #
 # The analysis notebooks (02–05) read one entropy curve, one CKA geometry and one set of
-# picks per model and token setting. Here each is recomputed under perturbations that
+# picks per model and token set. Here each is recomputed under perturbations that
 # should not matter if the "wave" is a property of the model and not of the estimator:
 #
 # * **token filter** — keep tokens whose predictive entropy is at least the q-quantile,
@@ -108,12 +108,12 @@ for name in model_names:
                           stats.cka, gammas, stats.layers).items()]
         del stats
 per_layer = pd.concat(per_layer, ignore_index=True)
-picks = pd.DataFrame(picks)
+picks = pd.DataFrame(picks).rename(columns={"layers": "layer_ids"})  # compare_methods: "layers"
 segmented = pd.DataFrame(segmented)
 order = {label: i for i, label in enumerate(variants)}
 plots.save_table(per_layer, "11_entropy_variants", NOTEBOOK, results_dir,
                  sort_by=["model", "variant", "layer"])
-plots.save_table(picks[["model", "variant", "quantile", "row_normalize", "label", "layers",
+plots.save_table(picks[["model", "variant", "quantile", "row_normalize", "label", "layer_ids",
                         "renyi2", "renyi2_pct", "logdet_pct", "entropy_sum_pct",
                         "dispersion_pct"]],
                  "11_selected_sets", NOTEBOOK, results_dir, sort_by=["model", "variant", "label"])
@@ -144,16 +144,17 @@ for name in model_names:
 # tokens (raw states).
 
 # %%
-picks["layers"] = picks["layers"].map(tuple)
-reference = picks[picks["variant"] == "all tokens"].set_index(["model", "label"])["layers"]
+picks["layer_ids"] = picks["layer_ids"].map(tuple)
+reference = picks[picks["variant"] == "all tokens"].set_index(["model", "label"])["layer_ids"]
 picks["same_as_all_tokens"] = [layers == reference[(m, lab)] for m, lab, layers in
-                               zip(picks["model"], picks["label"], picks["layers"])]
+                               zip(picks["model"], picks["label"], picks["layer_ids"])]
 stability = (picks.groupby(["model", "label"])
-             .agg(distinct_sets=("layers", "nunique"),
+             .agg(distinct_sets=("layer_ids", "nunique"),
                   picks_changed=("same_as_all_tokens", lambda same: int((~same).sum())))
              .reset_index())
 plots.save_table(stability, "11_pick_stability", NOTEBOOK, results_dir, sort_by=["model", "label"])
-wide = picks.set_index(["model", "label", "variant"])["layers"].unstack("variant")[list(variants)]
+wide = (picks.set_index(["model", "label", "variant"])["layer_ids"]
+        .unstack("variant")[list(variants)])
 fig = plots.plot_method_scores(picks.sort_values("variant", key=lambda v: v.map(order)),
                                method="label", value="renyi2_pct", hue="variant", col="model",
                                xlabel="percentile of H₂ among all C(N, 3) sets",

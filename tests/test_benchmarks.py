@@ -60,7 +60,7 @@ def test_speculative_summary_rows_mark_random_drafts_and_report_shapes(monkeypat
     from actwave.decoding.tree import TreeShape
     monkeypatch.syspath_prepend(str(repo_root() / "benchmarks"))
     bench = importlib.import_module("bench_speculative")
-    table = pd.DataFrame({"method": ["greedy", "hf_prompt_lookup", "spec_fixed", "spec_auto"],
+    table = pd.DataFrame({"label": ["greedy", "hf_prompt_lookup", "spec_fixed", "spec_auto"],
                           "speedup": [1.0, 0.8, 0.5, 0.7], "tau": [float("nan")] * 2 + [1.25, 1.4],
                           "exact_match_rate": [1.0] * 4, "n_prompts": [10] * 4})
     table["speedup_per_tau"] = table.speedup / table.tau

@@ -12,7 +12,7 @@ from actwave.tools import compare
 SELECTION = pd.DataFrame({
     "model": ["smollm2-135m", "smollm2-135m"],
     "label": ["eagle3_default", "renyi2_exhaustive"],
-    "layers": ["2,15,27", "11,28,29"],
+    "layer_ids": ["2,15,27", "11,28,29"],
     "renyi2": [2.5031, 3.74015],
     "renyi2_pct": [47.9167, 99.7549],
     "n_subsets": [4060, 4060],
@@ -42,7 +42,7 @@ def test_perturbed_value_is_a_mismatch_naming_row_and_column():
 
 def test_changed_layer_set_is_a_mismatch_even_when_scores_agree():
     fresh = SELECTION.copy()
-    fresh.loc[1, "layers"] = "11,28,30"
+    fresh.loc[1, "layer_ids"] = "11,28,30"
     report = compare.compare_tables("05_selection.csv", SELECTION, fresh)
     assert not report.ok
     assert "'11,28,30' vs committed '11,28,29'" in report.problems[0]
@@ -61,7 +61,7 @@ def test_missing_column_or_row_is_a_mismatch():
 
 
 def test_timing_columns_are_skipped_and_intervals_compared_by_number():
-    committed = pd.DataFrame({"method": ["a"], "tau": [1.26], "tau_ci": ["[1.23, 1.29]"],
+    committed = pd.DataFrame({"label": ["a"], "tau": [1.26], "tau_ci": ["[1.23, 1.29]"],
                               "speedup": [0.51], "seconds": [81.6]})
     fresh = committed.assign(speedup=[0.9], seconds=[40.0], tau_ci=["[1.2301, 1.29]"])
     report = compare.compare_tables("07_speculative_main.csv", committed, fresh)
@@ -111,7 +111,7 @@ def test_main_compares_working_tree_with_head(committed_repo, capsys):
     fresh.to_csv(committed_repo, index=False)
     assert compare.main(["--profile", "cpu"]) == 0
     assert "largest relative difference 1.0e-07" in capsys.readouterr().out
-    SELECTION.assign(layers=["2,15,27", "4,17,18"]).to_csv(committed_repo, index=False)
+    SELECTION.assign(layer_ids=["2,15,27", "4,17,18"]).to_csv(committed_repo, index=False)
     assert compare.main(["--profile", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "MISMATCH  05_selection.csv" in out and "differ: 05_selection.csv" in out

@@ -60,14 +60,14 @@ def test_bad_names_rejected(tmp_path, bad):
 
 def test_save_table_deterministic_sorted_and_formatted(tmp_path):
     df = pd.DataFrame({"model": ["b", "a", "a"], "score": [1 / 3, 2.0, float("nan")],
-                       "layers": [(2, 15, 27), (1, 2, 3), (4, 5, 6)]})
+                       "layer_ids": [(2, 15, 27), (1, 2, 3), (4, 5, 6)]})
     shuffled = df.iloc[[2, 0, 1]]
     paths_a = plots.save_table(df, "05_selection", "05_layer_selection", tmp_path / "a")
     paths_b = plots.save_table(shuffled, "05_selection", "05_layer_selection", tmp_path / "b")
     for a, b in zip(paths_a, paths_b):
         assert a.read_bytes() == b.read_bytes(), a.name
     csv_lines = paths_a[0].read_text().splitlines()
-    assert csv_lines == ["model,score,layers", 'a,2,"1,2,3"', 'a,,"4,5,6"',
+    assert csv_lines == ["model,score,layer_ids", 'a,2,"1,2,3"', 'a,,"4,5,6"',
                          'b,0.333333,"2,15,27"']
     markdown = paths_a[1].read_text().splitlines()
     assert markdown[0].startswith("| model | ") and set(markdown[1]) <= set("|-: ")
@@ -129,8 +129,8 @@ def test_layer_table_from_layer_stats():
 
     hidden = torch.randn(3, 50, 8, generator=torch.Generator().manual_seed(0))  # (L, n, d)
     stats = layer_stats(hidden)
-    table = plots.layer_table(stats, model="m", setting="all")
-    assert list(table.columns) == ["model", "setting", "layer", "entropy", "renyi2",
+    table = plots.layer_table(stats, model="m", token_set="all")
+    assert list(table.columns) == ["model", "token_set", "layer", "entropy", "renyi2",
                                    "entropy_norm", "n_tokens"]
     assert table["layer"].tolist() == [0, 1, 2]
     assert np.allclose(table["entropy_norm"], stats.entropy.numpy() / np.log(8))

@@ -332,14 +332,14 @@ def synthetic_records():
 
 def test_summarize_ratio_of_sums_and_ci():
     summary = summarize(synthetic_records(), n_bootstrap=400, seed=0)
-    row = summary[(summary.benchmark == "mtbench") & (summary.method == "draft")].iloc[0]
+    row = summary[(summary.benchmark == "mtbench") & (summary.label == "draft")].iloc[0]
     assert row.tokens_per_s == pytest.approx(18 / 4)
     assert row.speedup == pytest.approx((18 / 4) / (18 / 10))
     assert row.tau == pytest.approx(16 / 6)  # emitted (n−1) over rounds (forwards − 1)
     assert row.exact_match_rate == 0.5 and row.match_prefix_frac == pytest.approx(12 / 18)
     # bootstrap support: single-prompt resamples give speedups 2.0 (a) and 3.0 (b)
     assert 2.0 <= row.speedup_lo <= row.speedup <= row.speedup_hi <= 3.0
-    greedy = summary[(summary.benchmark == "all") & (summary.method == "greedy")].iloc[0]
+    greedy = summary[(summary.benchmark == "all") & (summary.label == "greedy")].iloc[0]
     assert greedy.speedup == 1.0 and np.isnan(greedy.tau)
 
 
@@ -385,17 +385,18 @@ def test_run_item_second_turn_sees_greedy_answer(llama):
 
 
 def test_tau_vs_scores_reads_selection_csv_and_ranks(tmp_path):
-    rows = [{"model": "m", "setting": s, "label": f"x{i}", "layers": f"{i},{i + 1}",
+    rows = [{"model": "m", "token_set": s, "label": f"x{i}", "layer_ids": f"{i},{i + 1}",
              "renyi2": float(i) if s == "all tokens" else float(-i), "renyi2_pct": 10.0 * i}
             for s in ("all tokens", "filtered") for i in range(4)]
     pd.DataFrame(rows).to_csv(tmp_path / "05_selection.csv", index=False)
     scores = read_selection_scores(tmp_path / "05_selection.csv")
-    assert set(scores["score"]) == {"renyi2", "renyi2_pct"} and scores["layers"].iloc[0] == (0, 1)
-    taus = pd.DataFrame({"model": "m", "method": [f"d{i}" for i in range(4)],
-                         "layers": [(i, i + 1) for i in range(4)], "tau": [1.0, 1.5, 1.7, 2.4]})
+    assert set(scores["score"]) == {"renyi2", "renyi2_pct"}
+    assert scores["layer_ids"].iloc[0] == (0, 1)
+    taus = pd.DataFrame({"model": "m", "label": [f"d{i}" for i in range(4)],
+                         "layer_ids": [(i, i + 1) for i in range(4)], "tau": [1.0, 1.5, 1.7, 2.4]})
     joined, correlations = tau_vs_scores(taus, scores)
-    assert len(joined) == 4 * 4  # 4 drafts × 2 settings × 2 score columns
-    by_key = correlations.set_index(["model", "setting", "score"])
+    assert len(joined) == 4 * 4  # 4 drafts × 2 token sets × 2 score columns
+    by_key = correlations.set_index(["model", "token_set", "score"])
     assert by_key.loc[("m", "all tokens", "renyi2"), "spearman"] == pytest.approx(1.0)
     assert by_key.loc[("m", "filtered", "renyi2"), "kendall"] == pytest.approx(-1.0)
     assert by_key.loc[("all", "filtered", "renyi2"), "spearman"] == pytest.approx(-1.0)

@@ -375,7 +375,7 @@ def plot_method_scores(table: pd.DataFrame, method: str = "method", value: str =
     """Dot plot of one number per selection method (e.g. percentile among all subsets).
 
     table: long-form with columns ``method``, ``value`` and optional ``hue`` (e.g. the
-    filtering setting) and ``col`` (one panel per model).
+    token set) and ``col`` (one panel per model).
     """
     missing = [c for c in (method, value, hue, col) if c is not None and c not in table.columns]
     if missing:
@@ -434,13 +434,13 @@ def plot_training_curves(curves: pd.DataFrame, held_out: pd.DataFrame, title: st
 
 def plot_tau_vs_score(joined: pd.DataFrame) -> Figure:
     """Measured τ against each selection score: one panel per score (columns) and token
-    setting (rows); points are trained drafts (``method``), marker style by ``model``.
+    set (rows); points are trained drafts (``label``), marker style by ``model``.
 
-    joined: long-form ``value``, ``tau``, ``method``, ``model``, ``score``, ``setting``.
+    joined: long-form ``value``, ``tau``, ``label``, ``model``, ``score``, ``token_set``.
     """
-    _require(joined, ["value", "tau", "method", "model", "score", "setting"])
-    grid = sns.relplot(data=joined, x="value", y="tau", hue="method", style="model",
-                       col="score", row="setting", kind="scatter", height=2.6,
+    _require(joined, ["value", "tau", "label", "model", "score", "token_set"])
+    grid = sns.relplot(data=joined, x="value", y="tau", hue="label", style="model",
+                       col="score", row="token_set", kind="scatter", height=2.6,
                        facet_kws={"sharex": False})
     grid.set_titles("{row_name} · {col_name}")
     grid.set_axis_labels("selection score", "τ (all benchmarks)")
@@ -450,15 +450,15 @@ def plot_tau_vs_score(joined: pd.DataFrame) -> Figure:
 
 def plot_acceptance(acceptance: pd.DataFrame, title: str = "") -> Figure:
     """Acceptance per draft position of one model: rows ``reach`` and ``conditional``,
-    one column per benchmark, one line per method.
+    one column per benchmark, one line per label.
 
-    acceptance: ``benchmark``, ``method``, ``position``, ``reach``, ``conditional``.
+    acceptance: ``benchmark``, ``label``, ``position``, ``reach``, ``conditional``.
     """
-    _require(acceptance, ["benchmark", "method", "position", "reach", "conditional"])
-    rates = acceptance.melt(id_vars=["benchmark", "method", "position"],
+    _require(acceptance, ["benchmark", "label", "position", "reach", "conditional"])
+    rates = acceptance.melt(id_vars=["benchmark", "label", "position"],
                             value_vars=["reach", "conditional"], var_name="rate",
                             value_name="value")
-    grid = sns.relplot(data=rates, x="position", y="value", hue="method", col="benchmark",
+    grid = sns.relplot(data=rates, x="position", y="value", hue="label", col="benchmark",
                        row="rate", kind="line", marker="o", height=2.6)
     grid.set_titles("{col_name} · {row_name}")
     grid.set(ylim=(0, 1.02))

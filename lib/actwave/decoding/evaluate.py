@@ -2,9 +2,9 @@
 
 Per prompt, every method runs back to back on the same prompt in one process, our plain
 greedy decoding first (the speedup baseline and the exactness reference), so machine
-load drifts hit all methods alike. Methods: ``greedy`` (ours), the peer rows
-``hf_generate`` (HF greedy ``generate``) and ``hf_prompt_lookup`` (HF prompt-lookup
-decoding), and one row per EAGLE-3 draft label.
+load drifts hit all methods alike. Methods, each a table row's ``label``: ``greedy``
+(ours), the peer rows ``hf_generate`` (HF greedy ``generate``) and ``hf_prompt_lookup``
+(HF prompt-lookup decoding), and one row per EAGLE-3 draft label.
 
 Benchmarks: MT-bench (both turns; the second-turn prompt contains our greedy first-turn
 answer, so every method sees the same prompt), HumanEval (the code prompt as the user
@@ -296,7 +296,8 @@ def _method_row(mine: pd.DataFrame, greedy: pd.DataFrame, n_bootstrap: int, seed
 
 
 def summarize(records: pd.DataFrame, n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
-    """One row per (benchmark incl. "all", method): τ, tokens/s, speedup (+ CIs), exactness."""
+    """One row per (benchmark incl. "all", label): τ, tokens/s, speedup (+ CIs), exactness;
+    records keep the label under ``method``."""
     if records.empty:
         raise ValueError("no records to summarise (all prompts skipped or none run)")
     per_prompt = _per_prompt(records)
@@ -311,13 +312,13 @@ def summarize(records: pd.DataFrame, n_bootstrap: int = 1000, seed: int = 0) -> 
             if list(mine["prompt_id"]) != list(greedy["prompt_id"]):
                 raise ValueError(f"method {method!r} has records for other prompts than greedy "
                                  f"on {benchmark!r}; cannot pair them for the speedup")
-            rows.append({"benchmark": benchmark, "method": method,
+            rows.append({"benchmark": benchmark, "label": method,
                          **_method_row(mine, greedy, n_bootstrap, seed)})
     return pd.DataFrame(rows)
 
 
 def acceptance_by_position(records: pd.DataFrame) -> pd.DataFrame:
-    """Per (benchmark, method) and draft position i ≥ 1: the share of rounds accepting ≥ i
+    """Per (benchmark, label) and draft position i ≥ 1: the share of rounds accepting ≥ i
     draft tokens (``reach``) and P(accept ≥ i | accept ≥ i−1) (``conditional``)."""
     rows = []
     speculative = records[records["accept_counts"].notna()]
@@ -328,22 +329,22 @@ def acceptance_by_position(records: pd.DataFrame) -> pd.DataFrame:
             histogram[: len(counts)] += counts
         reach = histogram[::-1].cumsum()[::-1] / histogram.sum()  # reach[i] = P(accepted >= i)
         for position in range(1, width + 1):
-            rows.append({"benchmark": benchmark, "method": method, "position": position,
+            rows.append({"benchmark": benchmark, "label": method, "position": position,
                          "reach": float(reach[position]),
                          "conditional": float(reach[position] / reach[position - 1])
                          if reach[position - 1] > 0 else np.nan})
-    return pd.DataFrame(rows, columns=["benchmark", "method", "position", "reach", "conditional"])
+    return pd.DataFrame(rows, columns=["benchmark", "label", "position", "reach", "conditional"])
 
 
 # ----------------------------------------------------------------------------- tables
-def main_table(summary: pd.DataFrame, layers: dict[str, tuple[int, ...]]) -> pd.DataFrame:
-    """Wide table: one row per method, per benchmark τ and speedup with their 95% CIs.
+def main_table(summary: pd.DataFrame, layer_ids: dict[str, tuple[int, ...]]) -> pd.DataFrame:
+    """Wide table: one row per label, per benchmark τ and speedup with their 95% CIs.
 
-    layers: {method: layer ids} for draft rows (peer rows get an empty cell).
+    layer_ids: {label: layer ids} for draft rows (peer rows get an empty cell).
     """
     rows = []
-    for method, group in summary.groupby("method", sort=True):
-        row = {"method": method, "layers": ",".join(map(str, layers.get(method, ())))}
+    for label, group in summary.groupby("label", sort=True):
+        row = {"label": label, "layer_ids": ",".join(map(str, layer_ids.get(label, ())))}
         for record in group.itertuples():
             for stat in ("tau", "speedup"):
                 value, low, high = (getattr(record, s) for s in (stat, f"{stat}_lo", f"{stat}_hi"))
@@ -354,47 +355,46 @@ def main_table(summary: pd.DataFrame, layers: dict[str, tuple[int, ...]]) -> pd.
 
 
 def read_selection_scores(path: Path | str) -> pd.DataFrame:
-    """Notebook 05's ``05_selection.csv`` as long rows (model, setting, layers, score, value).
+    """Notebook 05's ``05_selection.csv`` as long rows (model, token_set, layer_ids, score,
+    value).
 
-    Read defensively: the filter-setting column may be ``setting`` or ``filter``; score
-    columns are the numeric ones (percentile columns ``*_pct`` included); ``layers`` cells
-    are "a,b,c". The score of a set depends on the set, not on the method that picked it,
-    so duplicates are dropped.
+    Score columns are the numeric ones (percentile columns ``*_pct`` included);
+    ``layer_ids`` cells are "a,b,c". The score of a set depends on the set, not on the
+    method that picked it, so duplicates are dropped.
     """
     table = pd.read_csv(path)
-    setting = next((c for c in ("setting", "filter", "filter_setting") if c in table.columns), None)
-    missing = [c for c in ("model", "layers") if c not in table.columns]
+    missing = [c for c in ("model", "token_set", "layer_ids") if c not in table.columns]
     if missing:
         raise ValueError(f"{path}: missing columns {missing}; found {list(table.columns)}")
-    table = table.assign(setting=table[setting] if setting else "all tokens",
-                         layers=table["layers"].map(lambda s: tuple(int(x) for x in str(s).split(","))))
+    table = table.assign(layer_ids=table["layer_ids"].map(
+        lambda s: tuple(int(x) for x in str(s).split(","))))
     scores = [c for c in table.select_dtypes("number").columns if c not in ("k", "seed")]
-    long = table.melt(id_vars=["model", "setting", "layers"], value_vars=scores,
-                      var_name="score", value_name="value")
-    return long.dropna(subset=["value"]).drop_duplicates(["model", "setting", "layers", "score"])
+    keys = ["model", "token_set", "layer_ids"]
+    long = table.melt(id_vars=keys, value_vars=scores, var_name="score", value_name="value")
+    return long.dropna(subset=["value"]).drop_duplicates([*keys, "score"])
 
 
 def tau_vs_scores(taus: pd.DataFrame, scores: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Join measured τ per draft with its selection scores; rank correlations per score.
 
-    taus: columns model, method, layers (tuple), tau. scores: ``read_selection_scores``.
-    -> (joined rows, correlations: model ("all" = pooled), setting, score, n, Spearman ρ
+    taus: columns model, label, layer_ids (tuple), tau. scores: ``read_selection_scores``.
+    -> (joined rows, correlations: model ("all" = pooled), token_set, score, n, Spearman ρ
     and Kendall τ_b with p-values). Pooled rows rank τ within each model first.
     """
     from scipy.stats import kendalltau, spearmanr
 
-    joined = taus.merge(scores, on=["model", "layers"], how="inner")
-    joined = joined.assign(tau_rank=joined.groupby(["model", "setting", "score"])["tau"].rank(pct=True),
-                           value_rank=joined.groupby(["model", "setting", "score"])["value"].rank(pct=True))
+    keys = ["model", "token_set", "score"]
+    joined = taus.merge(scores, on=["model", "layer_ids"], how="inner")
+    joined = joined.assign(tau_rank=joined.groupby(keys)["tau"].rank(pct=True),
+                           value_rank=joined.groupby(keys)["value"].rank(pct=True))
     rows = []
     pooled = joined.assign(model="all", tau=joined["tau_rank"], value=joined["value_rank"])
-    for (model, setting, score), group in pd.concat([joined, pooled]).groupby(
-            ["model", "setting", "score"], sort=True):
+    for (model, token_set, score), group in pd.concat([joined, pooled]).groupby(keys, sort=True):
         if len(group) < 3 or group["value"].nunique() < 2 or group["tau"].nunique() < 2:
             continue
         rho, rho_p = spearmanr(group["value"], group["tau"])
         kendall, kendall_p = kendalltau(group["value"], group["tau"])
-        rows.append({"model": model, "setting": setting, "score": score, "n": len(group),
+        rows.append({"model": model, "token_set": token_set, "score": score, "n": len(group),
                      "spearman": rho, "spearman_p": rho_p, "kendall": kendall, "kendall_p": kendall_p})
-    columns = ["model", "setting", "score", "n", "spearman", "spearman_p", "kendall", "kendall_p"]
+    columns = ["model", "token_set", "score", "n", "spearman", "spearman_p", "kendall", "kendall_p"]
     return joined.drop(columns=["tau_rank", "value_rank"]), pd.DataFrame(rows, columns=columns)

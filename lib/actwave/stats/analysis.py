@@ -307,7 +307,7 @@ def _compute_and_save(store, config: AnalysisConfig, directory: Path, key: dict,
 
 def per_layer_stats(stores: dict, settings: dict[str, AnalysisConfig],
                     device: str | torch.device = "cpu") -> dict[tuple[str, str], LayerStats]:
-    """Cached per-layer statistics, covariance blocks dropped, for every store × token setting.
+    """Cached per-layer statistics, covariance blocks dropped, for every store × token set.
 
     stores: {model: CaptureStore}; settings: {label: AnalysisConfig} -> {(model, label): stats}.
     """

@@ -41,15 +41,15 @@ def summary_table(records: list[dict], n_bootstrap: int = 2000, seed: int = 0) -
 
 def proxy_correlations(summary: pd.DataFrame, sets: pd.DataFrame, k: int = 3,
                        n_permutations: int = 10000, seed: int = 0) -> pd.DataFrame:
-    """Spearman / Kendall of every proxy (both token settings) with τ̂ over the trained k-sets."""
+    """Spearman / Kendall of every proxy (both token sets) with τ̂ over the trained k-sets."""
     joined = summary[summary["k"] == k].merge(sets, on="label", suffixes=("", "_set"))
     rows = []
-    for setting in SETTINGS:
+    for token_set in SETTINGS:
         for proxy in PROXIES:
-            column = f"{proxy}_{setting}"
+            column = f"{proxy}_{token_set}"
             stats = study_stats.rank_correlation(joined[column], joined["tau_hat"],
                                                  n_permutations, seed)
-            rows.append({"proxy": proxy, "setting": setting, **stats})
+            rows.append({"proxy": proxy, "token_set": token_set, **stats})
     return pd.DataFrame(rows)
 
 
@@ -150,16 +150,16 @@ def plot_curve(curve: pd.DataFrame, budget_tokens: float | None = None,
 # ----------------------------------------------------------------------------- decoding
 def per_prompt_decoding(records: pd.DataFrame) -> pd.DataFrame:
     """Decoding records -> per (benchmark, prompt, method): emitted tokens, rounds, tokens,
-    seconds (summed over turns)."""
+    seconds (summed over turns); records keep the label under ``method``."""
     frame = records.assign(emitted=records["n_tokens"] - 1,
                            rounds=pd.to_numeric(records["target_forwards"], errors="coerce") - 1)
     return frame.groupby(["benchmark", "prompt_id", "method"], sort=True)[
         ["emitted", "rounds", "n_tokens", "seconds"]].sum().reset_index()
 
 
-def paired_decoding(records: pd.DataFrame, method: str, reference: str = REFERENCE,
+def paired_decoding(records: pd.DataFrame, label: str, reference: str = REFERENCE,
                     n_bootstrap: int = 2000, seed: int = 0) -> dict:
-    """τ and speedup of ``method`` minus ``reference`` on the same prompts (all benchmarks),
+    """τ and speedup of ``label`` minus ``reference`` on the same prompts (all benchmarks),
     with a paired bootstrap over prompts. Speedup = tokens/s ÷ greedy tokens/s."""
     per = per_prompt_decoding(records)
     wide = per.pivot_table(index=["benchmark", "prompt_id"], columns="method",
@@ -169,13 +169,13 @@ def paired_decoding(records: pd.DataFrame, method: str, reference: str = REFEREN
             return wide["emitted"][m].to_numpy()[idx].sum(-1) / wide["rounds"][m].to_numpy()[idx].sum(-1)
         def rate(m):
             return wide["n_tokens"][m].to_numpy()[idx].sum(-1) / wide["seconds"][m].to_numpy()[idx].sum(-1)
-        return tau(method) - tau(reference), (rate(method) - rate(reference)) / rate("greedy")
+        return tau(label) - tau(reference), (rate(label) - rate(reference)) / rate("greedy")
     n = len(wide)
     rng = np.random.default_rng(seed)
     boot = rng.integers(0, n, size=(n_bootstrap, n))
     tau_diff, speed_diff = stat(np.arange(n))
     tau_boot, speed_boot = stat(boot)
-    return {"method": method, "reference": reference, "n_prompts": n,
+    return {"label": label, "reference": reference, "n_prompts": n,
             "tau_diff": float(tau_diff), "tau_diff_lo": float(np.quantile(tau_boot, 0.025)),
             "tau_diff_hi": float(np.quantile(tau_boot, 0.975)),
             "speedup_diff": float(speed_diff),
@@ -183,17 +183,17 @@ def paired_decoding(records: pd.DataFrame, method: str, reference: str = REFEREN
             "speedup_diff_hi": float(np.quantile(speed_boot, 0.975))}
 
 
-def offline_vs_decoding(record: dict, records: pd.DataFrame, method: str) -> dict:
+def offline_vs_decoding(record: dict, records: pd.DataFrame, label: str) -> dict:
     """One draft: offline τ̂, offline decoding-walk τ, and decoding τ (ShareGPT eval prompts
     and all benchmarks) from the decoding records."""
     per = per_prompt_decoding(records)
-    mine = per[per["method"] == method]
+    mine = per[per["method"] == label]
     sharegpt = mine[mine["benchmark"] == "sharegpt"]
     rows = record["offline"]["per_sequence"]
     walked = [r for r in rows if r["walk_rounds"]]
     walk = (sum(r["walk_tau"] * r["walk_rounds"] for r in walked)
             / max(1, sum(r["walk_rounds"] for r in walked)))
-    return {"label": method, "layer_ids": tuple(record["layer_ids"]),
+    return {"label": label, "layer_ids": tuple(record["layer_ids"]),
             "tau_hat": record["offline"]["tau_hat"], "walk_tau": walk,
             "decoding_tau_sharegpt": float(sharegpt["emitted"].sum() / sharegpt["rounds"].sum())
             if len(sharegpt) else math.nan,

@@ -140,7 +140,7 @@ def eagle3_rule(num_layers: int, k: int) -> tuple[int, ...]:
 
 
 def method_picks(stats_by_setting: dict, k: int = 3) -> dict[str, tuple[int, ...]]:
-    """{label: set} of every selection method on each token setting ("all", "filtered");
+    """{label: set} of every selection method on each token set ("all", "filtered");
     labels are ``<method>`` and ``<method>@filtered``."""
     picks = {}
     for setting, stats in stats_by_setting.items():
@@ -213,7 +213,7 @@ PROXIES = ("renyi2", "shannon", "logdet", "entropy_sum", "dispersion")
 
 
 def set_proxies(stats_by_setting: dict, layer_ids) -> dict[str, float]:
-    """Every selection score of one set on every token setting: ``<proxy>_<setting>``.
+    """Every selection score of one set on every token set: ``<proxy>_<token_set>``.
 
     ``shannon`` is the Shannon entropy of the normalised concatenation (one (k·d)²
     eigendecomposition: needs stats with covariance blocks); the others are the
@@ -240,7 +240,7 @@ def draft_order(sets: list[StudySet]) -> list[tuple[StudySet, int]]:
 def prepare(config: StudyConfig, analysis_capture: CaptureConfig, settings: dict,
             device: str = "cpu", pinned_dir: Path | None = None) -> dict:
     """One model's inputs: the target, the layer statistics of the analysis split per token
-    setting, the sets (with every proxy) and the train / eval stores (their regenerated text
+    set, the sets (with every proxy) and the train / eval stores (their regenerated text
     restored from, or pinned to, ``pinned_dir`` when given: ``actwave.regenerate.pin``).
 
     -> {"model", "sets": [StudySet], "set_table": [dict], "stores": {"train", "eval"}}.
@@ -257,7 +257,7 @@ def prepare(config: StudyConfig, analysis_capture: CaptureConfig, settings: dict
     sets = study_sets(stats, model_zoo.num_layers(model), config)
     table = [{"label": s.label, "layer_ids": s.layer_ids, "kind": s.kind, "seeds": s.seeds,
               "aliases": ",".join(s.aliases), **set_proxies(stats, s.layer_ids)} for s in sets]
-    del stats  # the covariance blocks: ~1 GB per setting
+    del stats  # the covariance blocks: ~1 GB per token set
     stores = {split: _regenerated_store(config.capture(split), model, tokenizer, device,
                                         pinned_dir) for split in ("train", "eval")}
     return {"model": model, "sets": sets, "set_table": table, "stores": stores}

@@ -118,7 +118,7 @@ def _numeric(committed: pd.Series, fresh: pd.Series) -> tuple[np.ndarray, np.nda
 
 
 def _row_label(frame: pd.DataFrame, row: int) -> str:
-    """The row's text cells (its key, e.g. model/setting/label), for messages."""
+    """The row's text cells (its key, e.g. model/token_set/label), for messages."""
     keys = [c for c in frame.columns if _is_text(frame[c])][:3]
     return ", ".join(f"{c}={frame[c].iloc[row]}" for c in keys) or f"row {row}"
 
