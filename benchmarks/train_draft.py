@@ -79,14 +79,14 @@ def training_cost(out_dir: Path) -> dict:
     included)."""
     with open(out_dir / "history.csv") as handle:
         rows = list(csv.DictReader(handle))
-    return {"train_steps": len(rows), "train_seconds": round(float(rows[-1]["seconds"]), 1),
+    return {"train_steps": len(rows), "train_seconds": round(float(rows[-1]["seconds"]), 3),
             "train_tokens": int(sum(float(r["tokens"]) for r in rows))}
 
 
 def regeneration_cost(capture: CaptureConfig) -> dict:
     manifest = json.loads((regenerate.output_dir(regen_config(capture)) / "manifest.json")
                           .read_text())
-    return {"regen_seconds": round(manifest["seconds"], 1),
+    return {"regen_seconds": round(manifest["seconds"], 3),
             "regen_new_tokens": manifest["new_tokens"],
             "regen_conversations": manifest["n_conversations"]}
 
