@@ -2,6 +2,10 @@
 
     .venv/bin/python benchmarks/bench_round.py [--model smollm2-135m] [--draft DIR]
         [--n-prompts 2] [--max-new-tokens 64] [--context 256] [--repeats 5]
+        [--linear-routes measured|stock]
+
+Everything runs under the measured linear routes (``actwave.decoding.linear_routes``: the
+fastest GEMM formulation per row count on this machine) unless ``--linear-routes stock``.
 
 1. Cost curve (``actwave.decoding.costmodel.measure_costs``, sizes interleaved, medians): one greedy
    step; verification over n = 1..64 tree tokens (forward + acceptance + cache
@@ -29,7 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from actwave.capture import data, models
-from actwave.decoding import costmodel, speculative
+from actwave.decoding import costmodel, linear_routes, speculative
 from actwave.decoding.evaluate import benchmark_prompts, load_drafts
 from actwave.eagle3 import Eagle3Draft
 from actwave.stats.selection import eagle3_default
@@ -47,6 +51,9 @@ def parse_args(argv):
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--linear-routes", default="measured", choices=("measured", "stock"),
+                        help="measured: fastest GEMM formulation per row count "
+                             "(actwave.decoding.linear_routes; cached per machine)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return parser.parse_args(argv)
 
@@ -159,7 +166,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pd.set_option("display.width", 200)
     target, tokenizer = models.load(args.model, dtype=torch.float32, device=args.device)
     draft, label = load_draft(target, args.draft)
-    print(f"== {args.model} float32 on {args.device}, threads {torch.get_num_threads()}, {label}")
+    modules = {} if args.linear_routes == "stock" else {models.slug(args.model): target, "draft": draft}
+    with linear_routes.routed(modules):
+        return measure(target, tokenizer, draft, label, args)
+
+
+def measure(target, tokenizer, draft, label: str, args) -> list[dict]:
+    routes = "measured linear routes" if args.linear_routes == "measured" else "stock linears"
+    print(f"== {args.model} float32 on {args.device}, threads {torch.get_num_threads()}, {routes}, "
+          f"{label}")
     curve = costmodel.measure_costs(target, draft, args.context, repeats=args.repeats)
     floor = floor_and_old_route(target, draft, args.context, [1, 4, 8, 16, 32, 64], args.repeats)
     print(f"\n-- cost curve on a {args.context}-token cache (medians of {args.repeats})")
@@ -170,11 +185,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
           "every output equals greedy")
     print(rounds.to_string(index=False, float_format="%.2f"))
     chain = rounds.iloc[0]
-    return [{"benchmark": "round", "measure": "chain-4 round / greedy step" + (
+    return [{"benchmark": "round", "measure": f"chain-4 round / greedy step ({routes})" + (
                 "" if args.draft else " [RANDOM draft]"),
              "ratio": chain["round"], "target": "floor ~1.2-1.3",
              "detail": f"verify {chain.verify:.2f}, tree {chain.tree:.2f}, catch-up "
-                       f"{chain.catch_up:.2f}, accept {chain.accept:.2f}"}]
+                       f"{chain.catch_up:.2f}, accept {chain.accept:.2f}; greedy step "
+                       f"{1e3 * step:.1f} ms"}]
 
 
 if __name__ == "__main__":

@@ -13,19 +13,28 @@ side by side as well.
 The draft comes from ``--draft`` (a folder; relative ones under the actwave cache).
 Without it a random untrained draft stands in and every row says so (τ ≈ 1).
 
+Linear layers (``--linear-routes``): ``measured`` (default) runs every row — our greedy,
+HF's, the drafts — with the GEMM formulation measured fastest per row count on this machine
+(``actwave.decoding.linear_routes``), so speculative decoding is compared with the fastest
+greedy we have; an extra row gives that greedy against stock ``F.linear`` greedy,
+alternating per prompt, outputs compared. ``stock`` leaves every linear as it is.
+
     .venv/bin/python benchmarks/bench_speculative.py --n-prompts 5 [--draft DIR]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import time
 
 import pandas as pd
 import torch
 
-from actwave.capture import models
-from actwave.decoding import costmodel
-from actwave.decoding.evaluate import EvalConfig, evaluate, load_drafts
+from actwave.capture import data, models
+from actwave.decoding import costmodel, linear_routes
+from actwave.decoding.evaluate import EvalConfig, benchmark_prompts, evaluate, load_drafts
+from actwave.decoding.speculative import greedy_generate
 from actwave.eagle3 import Eagle3Draft
 from actwave.stats.selection import eagle3_default
 
@@ -47,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=4, help="fixed tree")
     parser.add_argument("--top-k", type=int, default=4, help="fixed tree")
     parser.add_argument("--total-tokens", type=int, default=16, help="fixed tree")
+    parser.add_argument("--linear-routes", default="measured", choices=("measured", "stock"),
+                        help="measured: fastest GEMM formulation per row count (cached per machine)")
     parser.add_argument("--acceptance-prompts", type=int, default=4,
                         help="held-out ShareGPT prompts whose greedy replies give the acceptance")
     return parser.parse_args(argv)
@@ -74,10 +85,47 @@ def run(target, tokenizer, draft, label: str, settings: dict, peers: bool, args)
     return table[COLUMNS].reset_index(drop=True)
 
 
+@torch.no_grad()
+def route_gain(target, tokenizer, table: linear_routes.RouteTable, args) -> dict:
+    """Our greedy with ``table``'s routes vs with stock linears, alternating per prompt on
+    the benchmark prompts: tokens/s of each and whether every output is identical."""
+    eos = models.stop_token_ids(tokenizer, args.model)
+    seconds, tokens, identical = {"stock": 0.0, "routed": 0.0}, 0, True
+    for benchmark in args.benchmarks.split(","):
+        for item in benchmark_prompts(benchmark, args.n_prompts):
+            ids = torch.tensor([data.prompt_ids(tokenizer, [{"role": "user", "content": item["turns"][0]}])],
+                               device=args.device)
+            outputs = {}
+            for label in ("stock", "routed"):
+                with linear_routes.use_routes(target, table) if label == "routed" else contextlib.nullcontext():
+                    result = greedy_generate(target, ids, args.max_new_tokens, eos)
+                seconds[label] += result.timings["decode"]
+                outputs[label] = result.tokens
+            tokens += len(outputs["stock"]) - 1
+            identical &= outputs["stock"] == outputs["routed"]
+    return {"stock_tokens_per_s": tokens / seconds["stock"],
+            "routed_tokens_per_s": tokens / seconds["routed"], "identical": identical}
+
+
 def compare(args) -> tuple[pd.DataFrame, dict, bool]:
-    """All rows (fixed-tree pass with peers, then the auto-tree pass) and the auto shape."""
+    """All rows (fixed-tree pass with peers, then the auto-tree pass) and the auto shape,
+    under the measured linear routes unless ``--linear-routes stock``."""
     target, tokenizer = models.load(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     draft, trained = load_draft(target, args)
+    if args.linear_routes == "stock":
+        table, info = _compare_rows(target, tokenizer, draft, args)
+        return table, info | {"route_gain": None, "tables": {}}, trained
+    tic = time.perf_counter()
+    with linear_routes.routed({models.slug(args.model): target, "draft": draft}) as tables:
+        logging.info("linear routes (%.0f s): %s", time.perf_counter() - tic,
+                     {name: table.routes for name, table in tables.items()})
+        table, info = _compare_rows(target, tokenizer, draft, args)
+    target_table = tables[models.slug(args.model)]
+    gain = route_gain(target, tokenizer, target_table, args)
+    return table, info | {"route_gain": gain, "tables": {"target": target_table}}, trained
+
+
+def _compare_rows(target, tokenizer, draft, args) -> tuple[pd.DataFrame, dict]:
     eos = models.stop_token_ids(tokenizer, args.model)
     prompts = [p.to(args.device) for p in costmodel.held_out_prompts(tokenizer, args.acceptance_prompts)]
     acceptance = costmodel.held_out_acceptance(
@@ -87,8 +135,7 @@ def compare(args) -> tuple[pd.DataFrame, dict, bool]:
     first = run(target, tokenizer, draft, "spec_fixed", fixed, True, args)
     second = run(target, tokenizer, draft, "spec_auto", shape.settings(), False, args)
     table = pd.concat([first, second[second.label != "greedy"]], ignore_index=True)
-    info = {"acceptance": acceptance, "shape": shape, "fixed": fixed, "dtype": args.dtype}
-    return table, info, trained
+    return table, {"acceptance": acceptance, "shape": shape, "fixed": fixed, "dtype": args.dtype}
 
 
 def summary_rows(table: pd.DataFrame, info: dict, trained: bool) -> list[dict]:
@@ -98,7 +145,13 @@ def summary_rows(table: pd.DataFrame, info: dict, trained: bool) -> list[dict]:
     shapes = {"spec_fixed": f"tree {fixed['depth']}/{fixed['top_k']}/{fixed['total_tokens']}",
               "spec_auto": f"auto: {shape.mode} {shape.depth}/{shape.top_k}/{shape.total_tokens}, "
                            f"predicted {shape.predicted_speedup:.2f}x"}
-    rows = []
+    routed = ", routed linears" if info.get("tables") else ""
+    gain = info.get("route_gain")
+    rows = [] if not gain else [{
+        "benchmark": "speculative", "ratio": gain["routed_tokens_per_s"] / gain["stock_tokens_per_s"],
+        "measure": f"greedy routed / stock linears tok/s ({DTYPE_LABELS[info.get('dtype', 'float32')]})",
+        "target": "-", "detail": f"{gain['routed_tokens_per_s']:.1f} vs {gain['stock_tokens_per_s']:.1f} "
+                                 f"tok/s; outputs {'identical' if gain['identical'] else 'DIFFER'}"}]
     for row in table.itertuples():
         if row.label == "greedy":
             continue
@@ -106,8 +159,8 @@ def summary_rows(table: pd.DataFrame, info: dict, trained: bool) -> list[dict]:
         detail = (f"tau {row.tau:.2f}; speedup/tau {row.speedup_per_tau:.2f}; {shapes[row.label]}; "
                   if spec else "")
         rows.append({"benchmark": "speculative",
-                     "measure": f"{row.label} / our greedy tok/s ({DTYPE_LABELS[info.get('dtype', 'float32')]})"
-                                + (mark if spec else ""),
+                     "measure": f"{row.label} / our greedy tok/s ({DTYPE_LABELS[info.get('dtype', 'float32')]}"
+                                f"{routed})" + (mark if spec else ""),
                      "ratio": row.speedup, "target": ">= 1 (issue), 1.5 aim" if spec else "-",
                      "detail": detail + f"exact {row.exact_match_rate:.0%}; {row.n_prompts} prompts"})
     return rows
@@ -128,6 +181,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"auto tree: {shape.mode} depth {shape.depth}, top-k {shape.top_k}, "
           f"{shape.total_tokens} tokens; expected {shape.expected_tokens:.2f} tokens per round, "
           f"predicted speedup {shape.predicted_speedup:.2f}")
+    if info["route_gain"]:
+        gain = info["route_gain"]
+        print(f"linear routes: target {info['tables']['target'].routes}; greedy "
+              f"{gain['routed_tokens_per_s']:.2f} tok/s routed vs {gain['stock_tokens_per_s']:.2f} stock "
+              f"(outputs {'identical' if gain['identical'] else 'DIFFER'}); every row below runs routed")
     print(table.to_string(index=False, float_format="%.3f"))
     return summary_rows(table, info, trained)
 

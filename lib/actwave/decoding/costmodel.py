@@ -25,6 +25,7 @@ from actwave.capture.data import prompt_ids
 from actwave.capture.forward import forward_with_states
 from actwave.capture.models import slug
 from actwave.config import artifact_dir, atomic_write_json
+from actwave.decoding import linear_routes
 from actwave.decoding.acceptance import sequence_acceptance
 from actwave.decoding.evaluate import benchmark_prompts
 from actwave.decoding.speculative import accept_round, greedy_generate, verify_forward
@@ -157,13 +158,20 @@ def _model_name(target) -> str:
 
 
 def _cache_key(target, draft, context: int, max_tokens: int, max_width: int) -> dict:
-    """What the curve depends on: model (its config), device, dtype, threads, draft shape."""
+    """What the curve depends on: model (its config), device, dtype, threads, draft shape,
+    and the linear routes the target and draft run, if any (``actwave.decoding.linear_routes``;
+    stock curves keep the key they had before routes existed)."""
     config_digest = hashlib.sha256(target.config.to_json_string().encode()).hexdigest()[:16]
-    return {"model": _model_name(target), "target_config": config_digest,
-            "device": str(draft.fc.weight.device), "dtype": str(draft.fc.weight.dtype),
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "draft_layers": len(draft.layer_ids), "draft_vocab": draft.config.draft_vocab_size,
-            "context": context, "max_tokens": max_tokens, "max_width": max_width}
+    key = {"model": _model_name(target), "target_config": config_digest,
+           "device": str(draft.fc.weight.device), "dtype": str(draft.fc.weight.dtype),
+           "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "draft_layers": len(draft.layer_ids), "draft_vocab": draft.config.draft_vocab_size,
+           "context": context, "max_tokens": max_tokens, "max_width": max_width}
+    tables = {"target": linear_routes.active(target), "draft": linear_routes.active(draft)}
+    if any(tables.values()):
+        key["linear_routes"] = {role: table.routes if table else "stock"
+                                for role, table in tables.items()}
+    return key
 
 
 def load_or_measure(target, draft, context: int = 256, max_tokens: int = 64,
