@@ -167,7 +167,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     target, tokenizer = models.load(args.model, dtype=torch.float32, device=args.device)
     draft, label = load_draft(target, args.draft)
     modules = {} if args.linear_routes == "stock" else {models.slug(args.model): target, "draft": draft}
-    with linear_routes.routed(modules):
+    with linear_routes.routed(modules) as tables:
+        for name, table in tables.items():
+            print(f"linear routes, {name}: one sweep over its linears (ms), stock / routed "
+                  "by row count: " + ", ".join(
+                      f"{rows}: {1e3 * table.seconds['linear'][i]:.0f}/"
+                      f"{1e3 * table.seconds['weight_left'][i]:.0f}"
+                      for i, rows in enumerate(table.rows) if rows in (1, 2, 4, 8, 16, 64)))
         return measure(target, tokenizer, draft, label, args)
 
 
