@@ -12,8 +12,12 @@ Steps, each resumable (re-running the same command continues where it stopped):
    ``results/benchmarks/regenerated/`` (so another machine skips the regeneration);
 2. train the draft into ``cache_dir()/bench-drafts/<hash>/`` (checkpoints every
    ``--checkpoint-every`` steps);
-3. write ``results/benchmarks/draft.json``: the configs, the folder (relative to the
-   cache), and the cost: regeneration seconds and tokens, training seconds and tokens.
+3. measure the draft's per-TTT-step top-1 agreement with the target on
+   ``--eval-conversations`` training sequences and as many held-out eval-split ones
+   (replies regenerated and pinned the same way): overfitting shows as a gap;
+4. write ``results/benchmarks/draft.json``: the configs, the folder (relative to the
+   cache), the agreement, and the cost: regeneration seconds and tokens, training seconds
+   and tokens.
 
 ``benchmarks/run_all.py`` uses this draft when its folder is in the cache.
 
@@ -32,7 +36,7 @@ from actwave.capture import models, regenerate
 from actwave.capture.store import CaptureConfig, regen_config
 from actwave.config import (atomic_write_json, cache_dir, config_hash, package_versions,
                             repo_root)
-from actwave.eagle3.online import online_source, train_online
+from actwave.eagle3.online import OnlineSource, evaluate_online, online_source, train_online
 from actwave.eagle3.train import TrainConfig
 from actwave.stats.selection import eagle3_default
 
@@ -56,9 +60,11 @@ class DraftBudget:
     draft_vocab_size: int = 16384
     checkpoint_every: int = 100
     seed: int = 0
+    eval_conversations: int = 48   # regenerated eval-split conversations (held out) + as many train
 
-    def capture(self) -> CaptureConfig:
-        return CaptureConfig(model=self.model, split="train", n_sequences=self.conversations,
+    def capture(self, split: str = "train") -> CaptureConfig:
+        n_sequences = self.conversations if split == "train" else self.eval_conversations
+        return CaptureConfig(model=self.model, split=split, n_sequences=n_sequences,
                              max_seq_len=self.max_seq_len, dtype="float32",
                              source="regenerated", regen_new_tokens=self.regen_new_tokens,
                              seed=self.seed)
@@ -83,6 +89,29 @@ def training_cost(out_dir: Path) -> dict:
             "train_tokens": int(sum(float(r["tokens"]) for r in rows))}
 
 
+def regenerated_source(capture: CaptureConfig, target, tokenizer, pinned: Path) -> OnlineSource:
+    """The split's sequences with regenerated replies: restored from the pin, else
+    regenerated (resumable) and pinned."""
+    regenerate.restore(regen_config(capture), pinned)
+    source = online_source(capture, target, tokenizer)  # regenerates unless cached
+    regenerate.pin(regen_config(capture), pinned)
+    return source
+
+
+def fit_and_held_out(budget: DraftBudget, source: OnlineSource, draft, target, tokenizer,
+                     pinned: Path) -> dict:
+    """Per-TTT-step top-1 agreement (``evaluate_online``) on the first
+    ``eval_conversations`` training sequences and on as many held-out eval-split ones
+    (replies regenerated the same way): a gap between the two is overfitting; held-out
+    agreement far above the decoding acceptance would be a train/serve mismatch."""
+    held_out = regenerated_source(budget.capture("eval"), target, tokenizer, pinned)
+    n = min(budget.eval_conversations, len(source))
+    seen = OnlineSource(source.input_ids[:n], source.loss_mask[:n], source.config_hash, source.path)
+    return {name: evaluate_online(draft, data.truncated(budget.max_seq_len), target,
+                                  ttt_steps=budget.ttt_steps)
+            for name, data in (("train", seen), ("held_out", held_out))}
+
+
 def regeneration_cost(capture: CaptureConfig) -> dict:
     manifest = json.loads((regenerate.output_dir(regen_config(capture)) / "manifest.json")
                           .read_text())
@@ -103,14 +132,14 @@ def main(argv: list[str] | None = None) -> Path:
     target, tokenizer = models.load(budget.model)
     capture = budget.capture()
     pinned = out / "regenerated"
-    regenerate.restore(regen_config(capture), pinned)
-    source = online_source(capture, target, tokenizer)  # regenerates unless cached
-    regenerate.pin(regen_config(capture), pinned)
+    source = regenerated_source(capture, target, tokenizer, pinned)
     train = budget.train(models.num_layers(target))
     draft_dir = cache_dir() / "bench-drafts" / config_hash({"train": asdict(train),
                                                              "data": source.config_hash})
-    train_online(source, target, train, draft_dir)
+    result = train_online(source, target, train, draft_dir)
+    agreement = fit_and_held_out(budget, source, result.draft, target, tokenizer, pinned)
     atomic_write_json(out / "draft.json", {
+        "agreement": agreement,
         "draft": str((draft_dir / "draft").relative_to(cache_dir())), "budget": asdict(budget),
         "train_config": asdict(train), "sequences": len(source),
         "sequence_tokens": source.n_tokens, **regeneration_cost(capture),

@@ -96,15 +96,18 @@ def test_bench_draft_trains_on_regenerated_replies_and_resumes_from_the_pin(tmp_
     argv = ["--model", folder, "--layers", "1,3,5", "--conversations", "3",
             "--max-seq-len", "64", "--regen-new-tokens", "8", "--steps", "3",
             "--warmup-steps", "1", "--checkpoint-every", "2", "--draft-vocab-size", "64",
-            "--out", str(tmp_path / "out")]
+            "--eval-conversations", "2", "--out", str(tmp_path / "out")]
     draft_dir = train_draft.main(argv)
     record = json.loads((tmp_path / "out" / "draft.json").read_text())
     assert (tmp_path / "cache" / record["draft"] / "config.json").exists()
     assert record["train_config"]["layer_ids"] == [1, 3, 5] and record["train_steps"] == 3
     assert record["train_seconds"] > 0 and record["train_tokens"] > 0
     assert record["regen_conversations"] == 3 and 0 < record["regen_new_tokens"] <= 3 * 8
+    for part in ("train", "held_out"):  # per-TTT-step agreement on 2 seen + 2 held-out sequences
+        agreement = record["agreement"][part]
+        assert agreement["n_sequences"] == 2 and all(0 <= agreement[f"acc_{i}"] <= 1 for i in range(3))
     pinned = list((tmp_path / "out" / "regenerated").glob("*/manifest.json"))
-    assert len(pinned) == 1
+    assert len(pinned) == 2  # the train split's replies and the held-out eval split's
     history = (draft_dir / "history.csv").read_text()
     shutil.rmtree(tmp_path / "cache" / "regenerated")
     assert train_draft.main(argv) == draft_dir

@@ -19,7 +19,7 @@ from actwave.capture.store import CaptureStore
 from actwave.config import config_hash
 from actwave.eagle3 import Eagle3Draft
 from actwave.eagle3 import train as train_mod
-from actwave.eagle3.online import OnlineSource, online_batch, train_online
+from actwave.eagle3.online import OnlineSource, evaluate_online, online_batch, train_online
 from actwave.eagle3.ttt import TTTLoss
 from actwave.stats import metrics as M
 from actwave.stats.analysis import AnalysisConfig, compute_layer_stats
@@ -117,6 +117,22 @@ def test_online_batch_equals_store_batch(tmp_path):
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(online["target_probs"][valid], stored["target_probs"][valid],
                                rtol=1e-5, atol=1e-6)
+
+
+def test_online_evaluation_equals_store_evaluation(tmp_path):
+    """Held-out TTT agreement of a draft: the target in the loop = the stored states."""
+    target = tiny_model("llama")
+    (tmp_path / "store").mkdir()
+    store = tiny_store(tmp_path / "store", target, random_sequences(**SEQUENCES))
+    data = train_mod.load_sequences(store, LAYERS)
+    draft = train_mod.new_draft(target, data, _config())
+    stored = train_mod.evaluate_data(draft, data, target, ttt_steps=3, batch_size=3)
+    online = evaluate_online(draft, _online_source(), target, ttt_steps=3, batch_size=3)
+    assert online["n_tokens"] == stored["n_tokens"] and online["n_sequences"] == 10
+    for i in range(3):
+        assert online[f"loss_{i}"] == pytest.approx(stored[f"loss_{i}"], rel=1e-5)
+        assert online[f"acc_{i}"] == pytest.approx(stored[f"acc_{i}"], abs=1e-9)
+        assert 0.0 <= online[f"acc_{i}"] <= 1.0
 
 
 def test_online_training_equals_store_training(tmp_path):

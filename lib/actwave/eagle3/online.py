@@ -22,7 +22,7 @@ from actwave.capture.models import DTYPES, load
 from actwave.capture.store import SOURCES, CaptureConfig, CaptureStore, check_model, tokenize_split
 from actwave.config import config_hash, to_jsonable
 from actwave.eagle3.train import (TrainConfig, TrainResult, _one_writer, _pad, add_config_arguments,
-                                  config_from_args, fit, trained_positions)
+                                  config_from_args, evaluate_data, fit, trained_positions)
 from actwave.eagle3.vocab import draft_target_ids
 
 
@@ -107,6 +107,14 @@ def online_batch(data: OnlineSource, indices: list[int], target, draft,
             "target_probs": torch.softmax(logits[..., vocab_ids].float(), dim=-1),
             "target_argmax": logits.argmax(-1).masked_fill(~valid, 0),
             "label_mask": trained_positions(loss_mask)}
+
+
+def evaluate_online(draft, source: OnlineSource, target, ttt_steps: int = 7,
+                    batch_size: int = 4, dtype: str = "float32") -> dict:
+    """``train.evaluate_data`` on an ``OnlineSource`` (the target runs per batch; no store):
+    per-TTT-step top-1 agreement ``acc_i`` and loss ``loss_i``."""
+    return evaluate_data(draft, source, target, ttt_steps, batch_size, dtype,
+                         batch_fn=online_batch)
 
 
 @_one_writer

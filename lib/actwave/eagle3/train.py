@@ -542,10 +542,12 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
 # ----------------------------------------------------------------------------- evaluation
 @torch.no_grad()
 def evaluate_data(draft: Eagle3Draft, data: TrainData, target, ttt_steps: int = 7,
-                  batch_size: int = 4, dtype: str = "float32") -> dict:
+                  batch_size: int = 4, dtype: str = "float32", batch_fn=make_batch) -> dict:
     """Per-TTT-step loss and top-1 agreement (draft argmax vs target argmax) over ``data``.
 
-    ``loss_i`` is the per-batch loss weighted by the batch's counted positions.
+    ``loss_i`` is the per-batch loss weighted by the batch's counted positions. ``batch_fn``
+    builds TTTLoss inputs (``make_batch`` from a store; ``online.online_batch`` runs the
+    target instead, for an ``OnlineSource``).
     """
     steps = ttt_steps
     module = TTTLoss(draft, steps)
@@ -556,8 +558,8 @@ def evaluate_data(draft: Eagle3Draft, data: TrainData, target, ttt_steps: int = 
     was_training = draft.training
     draft.eval()
     for start in range(0, len(data), batch_size):
-        batch = make_batch(data, list(range(start, min(start + batch_size, len(data)))),
-                           target, draft, device)
+        batch = batch_fn(data, list(range(start, min(start + batch_size, len(data)))),
+                         target, draft, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
             output = module(**batch)
         correct += output.step_correct.cpu().float()
