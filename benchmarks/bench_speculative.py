@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--total-tokens", type=int, default=16, help="fixed tree")
     parser.add_argument("--linear-routes", default="measured", choices=("measured", "stock"),
                         help="measured: fastest GEMM formulation per row count (cached per machine)")
-    parser.add_argument("--acceptance-prompts", type=int, default=4,
+    parser.add_argument("--acceptance-prompts", type=int, default=16,
                         help="held-out ShareGPT prompts whose greedy replies give the acceptance")
     return parser.parse_args(argv)
 
