@@ -4,11 +4,11 @@ Decoding runs every linear layer on a handful of rows: one at a greedy step, 2-8
 speculative round verifies a tree, a few in a draft level. At such sizes a forward is
 memory-bound (the weights are read once per call), yet the BLAS routine a stock
 ``F.linear(x, W)`` lands on can read them far below the memory bandwidth: on a 2-core AMD
-EPYC with MKL, ``x @ W.T`` streams SmolLM2's 540 MB of weights at ~11 GB/s for one row
-(GEMV) and spends 1.3-2x that for 2-8 rows, while the same product written
-``(W @ x.T).T`` (the rows become the GEMM's narrow N dimension) streams them at ~30 GB/s
-for 2-4 rows. A single row is padded to two for that route: the duplicated row is
-free when the cost is the weight read.
+EPYC with MKL, one sweep of ``x @ W.T`` over SmolLM2's 540 MB of linear weights takes
+51 ms for one row (GEMV) and 75-110 ms for 2-4 rows, while the same product written
+``(W @ x.T).T`` (the rows become the GEMM's narrow N dimension) takes 32-52 ms for 1-4 rows.
+A single row is padded to two for that route: the duplicated row is free when the cost is
+the weight read.
 
 Which formulation wins depends on the BLAS, the CPU and the row count, so it is measured,
 not assumed: ``measure_routes`` times each route for every row count on the module's own
