@@ -38,23 +38,20 @@ def test_route_lookup_between_and_beyond_measured_rows():
     assert table.route(9) == "linear"  # above the measured rows: a prefill keeps stock F.linear
 
 
-def test_use_routes_routes_and_restores(llama):
+def test_use_routes_routes_and_restores(llama, monkeypatch):
     ids = torch.randint(0, llama.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         stock = llama(input_ids=ids).logits
     calls = []
     original = ROUTE_FUNCTIONS["weight_left"]
-    ROUTE_FUNCTIONS["weight_left"] = lambda *args: calls.append(1) or original(*args)
-    try:
-        with linear_routes.use_routes(llama, table_of("weight_left", (1, 2, 4))) as table, \
-                torch.no_grad():
-            assert linear_routes.active(llama) is table
-            routed = llama(input_ids=ids[:, :4]).logits  # 4 rows: routed
-            assert len(calls) == len(linear_routes.linears(llama))
-            llama(input_ids=ids)  # 7 rows: above the table, stock
-            assert len(calls) == len(linear_routes.linears(llama))
-    finally:
-        ROUTE_FUNCTIONS["weight_left"] = original
+    monkeypatch.setitem(ROUTE_FUNCTIONS, "weight_left", lambda *args: calls.append(1) or original(*args))
+    with linear_routes.use_routes(llama, table_of("weight_left", (1, 2, 4))) as table, \
+            torch.no_grad():
+        assert linear_routes.active(llama) is table
+        routed = llama(input_ids=ids[:, :4]).logits  # 4 rows: routed
+        assert len(calls) == len(linear_routes.linears(llama))
+        llama(input_ids=ids)  # 7 rows: above the table, stock
+        assert len(calls) == len(linear_routes.linears(llama))
     assert linear_routes.active(llama) is None
     assert all("forward" not in layer.__dict__ for layer in linear_routes.linears(llama))
     torch.testing.assert_close(routed, stock[:, :4], rtol=1e-4, atol=1e-5)

@@ -14,7 +14,7 @@ Which formulation wins depends on the BLAS, the CPU and the row count, so it is 
 not assumed: ``measure_routes`` times each route for every row count on the module's own
 weights (one sweep over all its linears per timing, so the weights come from memory as in
 decoding, not from cache), routes interleaved, medians kept; ``load_or_measure`` caches the
-table per (model, device, dtype, threads, torch). ``use_routes`` swaps each ``nn.Linear``
+table per (layer shapes, device, dtype, threads, torch). ``use_routes`` swaps each ``nn.Linear``
 forward for the routed one and restores it on exit.
 
 The routes compute the same dot products with a different summation order, so outputs
