@@ -47,13 +47,22 @@ def test_sharegpt_truncated_file_keeps_complete_records():
     assert roles <= {"user", "assistant", "system"}
 
 
-def test_splits_are_disjoint_and_deterministic():
-    ids = {s: set(data.sharegpt_split(s)["id"]) for s in data.SPLITS}
-    assert not ids["analysis"] & ids["train"] and not ids["train"] & ids["eval"]
-    assert not ids["analysis"] & ids["eval"]
+def test_splits_are_disjoint_by_conversation_and_prompt_text():
+    splits = {s: data.sharegpt_split(s) for s in data.SPLITS}
+    conversations = {s: {data.conversation_id(i) for i in d["id"]} for s, d in splits.items()}
+    prompts = {s: {data.first_prompt(m) for m in d["messages"]} - {None}
+               for s, d in splits.items()}
+    for a, b in [("analysis", "train"), ("train", "eval"), ("analysis", "eval")]:
+        assert not conversations[a] & conversations[b], (a, b)
+        assert not prompts[a] & prompts[b], (a, b)
+    # the file holds chunks of one conversation, and prompts shared by conversations
+    ids = data.load_sharegpt()["id"]
+    assert len({data.conversation_id(i) for i in ids}) < len(ids) / 1.5
     first = data.sharegpt_split("eval", 5)
     assert first["id"] == data.sharegpt_split("eval", 5)["id"]
     assert all(data.split_of(i) == "eval" for i in first["id"])
+    assert data.conversation_id("J410gdS_27") == "J410gdS"
+    assert data.split_of("J410gdS_27") == data.split_of("J410gdS_0")
     with pytest.raises(ValueError, match="unknown split 'test'"):
         data.sharegpt_split("test")
 

@@ -7,6 +7,7 @@ import torch
 from conftest import tiny_model
 
 from actwave.capture import data, regenerate as regen
+from actwave.integrity import IntegrityError
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_interrupted_run_resumes_to_identical_output(tiny_target, tokenizer, mon
         calls.append(path.name)
         if len(calls) == 2:
             raise KeyboardInterrupt("simulated interruption")
-        real_write(path, records)
+        return real_write(path, records)
     monkeypatch.setattr(regen, "_write_chunk", failing_write)
     with pytest.raises(KeyboardInterrupt):
         regen.regenerate(config, tiny_target, tokenizer, progress=False)
@@ -130,6 +131,53 @@ def test_pinned_text_of_another_config_is_refused(tiny_target, tokenizer, tmp_pa
     shutil.copytree(regen.pin(config, tmp_path), tmp_path / regen.output_dir(_fresh(other)).name)
     with pytest.raises(ValueError, match="pinned regeneration .* made under config"):
         regen.restore(other, tmp_path)
+
+
+def test_partial_pin_resumes_on_another_machine(tiny_target, tokenizer, monkeypatch, tmp_path):
+    reference = regen.regenerate(_fresh(_config(seed=207)), tiny_target, tokenizer, progress=False)
+    config = _fresh(_config(seed=208))
+    real_write, calls = regen._write_chunk, []
+
+    def failing_write(path, records):
+        calls.append(path.name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("session ended")
+        return real_write(path, records)
+    monkeypatch.setattr(regen, "_write_chunk", failing_write)
+    with pytest.raises(KeyboardInterrupt):
+        regen.regenerate(config, tiny_target, tokenizer, progress=False, pinned_dir=tmp_path)
+    pinned = tmp_path / regen.output_dir(config).name
+    assert sorted(p.name for p in pinned.glob("chunk-*")) == ["chunk-00000.jsonl", "chunk-00001.jsonl"]
+    _fresh(config)  # a fresh machine: only the committed pin
+    calls.clear()
+    resumed = regen.regenerate(config, tiny_target, tokenizer, progress=False, pinned_dir=tmp_path)
+    assert calls == ["chunk-00002.jsonl"] and resumed.to_list() == reference.to_list()
+    assert json.loads((pinned / "manifest.json").read_text())["complete"]
+
+
+def test_corrupted_or_deleted_chunk_is_named_and_the_repair_works(tiny_target, tokenizer):
+    config = _fresh(_config(seed=209, n_conversations=4))
+    reference = regen.regenerate(config, tiny_target, tokenizer, progress=False)
+    chunk = regen.output_dir(config) / "chunk-00001.jsonl"
+    data_bytes = chunk.read_bytes()
+    chunk.write_bytes(data_bytes.replace(b'"', b"'", 1))  # same size, one byte flipped
+    with pytest.raises(IntegrityError, match="chunk-00001.jsonl.*sha256.*delete"):
+        regen.regenerate(config, progress=False)
+    chunk.write_bytes(data_bytes[: len(data_bytes) // 2])  # truncated
+    with pytest.raises(IntegrityError, match="chunk-00001.jsonl"):
+        regen.regenerate(config, progress=False)
+    chunk.unlink()  # the repair the message names
+    assert regen.regenerate(config, tiny_target, tokenizer, progress=False).to_list() == \
+        reference.to_list()
+
+
+def test_another_model_cannot_resume_a_regeneration(tiny_target, tokenizer):
+    config = _fresh(_config(seed=210, n_conversations=4))
+    regen.regenerate(config, tiny_target, tokenizer, progress=False)
+    (regen.output_dir(config) / "chunk-00001.jsonl").unlink()
+    other = tiny_model("llama", vocab_size=49152, seed=1)
+    with pytest.raises(ValueError, match="written by another model"):
+        regen.regenerate(config, other, tokenizer, progress=False)
 
 
 def test_regenerated_conversations_keep_user_turns(tiny_target, tokenizer):

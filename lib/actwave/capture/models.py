@@ -7,6 +7,7 @@ Never ``trust_remote_code``, never unpickle: weights come only from safetensors 
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -160,6 +161,65 @@ def _cached_bundled_dir(entry: BundledModel) -> Path:
     except OSError:  # another process finished first: keep its copy
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _source_folder(name: str) -> Path:
+    """The folder ``load`` reads a non-bundled model from (a local path, or the snapshot
+    of an HF id in the local HF cache)."""
+    if Path(name).expanduser().is_dir():
+        return Path(name).expanduser().resolve()
+    from huggingface_hub import snapshot_download  # offline: reads the local cache only
+    try:
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception as err:  # noqa: BLE001 - any lookup failure means "not cached"
+        raise FileNotFoundError(f"model {name!r} is neither a local folder nor in the local "
+                                f"Hugging Face cache ({type(err).__name__}: {err})") from err
+
+
+def _files_state(files: list[Path]) -> list[list]:
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def _hash_files(files: list[Path], root: Path, extra: str = "") -> str:
+    digest = hashlib.sha256(extra.encode())
+    for path in files:
+        digest.update(f"{path.relative_to(root).as_posix()}\0{path.stat().st_size}\0".encode())
+        with open(path, "rb") as handle:
+            while chunk := handle.read(16 * 2**20):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def model_digest(name_or_path: str) -> str:
+    """Content digest (16 hex) of a model's files: the bundled GGUF file plus its chat
+    template, or every file of a local folder / cached HF snapshot (weights, config,
+    tokenizer). Artifacts built from a model carry it in their keys, so new weights at the
+    same path can never reuse an old artifact. Hashing reads the files once (~1.5 GB/s);
+    the digest is remembered in ``cache_dir()/digests/`` keyed by the files' paths, sizes
+    and modification times, and recomputed when any of them changes."""
+    name = resolve(name_or_path)
+    if name in REGISTRY:
+        entry = REGISTRY[name]
+        gguf = entry.locate()
+        root, files, extra = gguf.parent, [gguf], entry.chat_template or ""
+    else:
+        root = _source_folder(name)
+        files = sorted(p for p in root.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(root).parts))
+        extra = ""
+        if not files:
+            raise ValueError(f"model folder {root} holds no files")
+    state = {"root": str(root), "files": _files_state(files), "extra": extra}
+    memo = cache_dir() / "digests" / f"{hashlib.sha256(str(root).encode()).hexdigest()[:16]}.json"
+    try:
+        remembered = json.loads(memo.read_text())
+        if remembered.get("state") == state:
+            return remembered["digest"]
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass  # no memo, or an unreadable one: recompute
+    digest = _hash_files(files, root, extra)
+    atomic_write_json(memo, {"state": state, "digest": digest})
+    return digest
 
 
 def _require_causal_lm(model: PreTrainedModel, name: str) -> None:

@@ -12,11 +12,14 @@ prompt), the same rendering the evaluation uses. Conversations whose first promp
 ``max_prompt_len`` tokens are skipped (counted); a later turn that exceeds it ends that
 conversation early (counted).
 
-Cache folder ``cache_dir()/regenerated/<model>-<split>-<hash>/``: ``config.json``,
-``manifest.json`` (config hash, source-data hash, versions, chunks done, counts, tokens/s)
-and ``chunk-XXXXX.jsonl`` (one JSON object per conversation: ``id``, ``messages``), each
-written to a temp file and renamed, so an interrupted run resumes at the first missing
-chunk and a finished run returns without touching the model.
+Cache folder ``cache_dir()/regenerated/<model>-<split>-<hash>/``, the hash keyed by the
+config and the content digest of the model's files (``models.model_digest``): ``config.json``,
+``manifest.json`` (config hash, model digest and weights fingerprint, source-data hash,
+versions, chunks done with their sha256, counts, tokens/s) and ``chunk-XXXXX.jsonl`` (one
+JSON object per conversation: ``id``, ``messages``), each written to a temp file and renamed,
+so an interrupted run resumes at the first missing chunk and a finished run returns without
+touching the model. A chunk whose bytes differ from its recorded sha256 is refused; deleting
+it (or any chunk) makes the next run regenerate just that chunk.
 """
 from __future__ import annotations
 
@@ -33,9 +36,11 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from actwave.capture import data as data_mod
-from actwave.capture.models import DTYPES, load, slug, stop_token_ids
+from actwave.capture.models import DTYPES, load, model_digest, slug, stop_token_ids
 from actwave.config import (artifact_dir, atomic_write_bytes, atomic_write_json, config_hash,
                             package_versions, save_config, to_jsonable)
+from actwave.integrity import (IntegrityError, WriterLock, bytes_record, fingerprint_mismatch,
+                               model_fingerprint, read_json, verify_once)
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +78,14 @@ class RegenConfig:
         return self.batch_size * self.batches_per_chunk
 
 
+def cache_key(config: RegenConfig) -> dict:
+    """What names a regeneration: its config and the digest of the model's files."""
+    return {"config": config, "model": model_digest(config.model)}
+
+
 def output_dir(config: RegenConfig) -> Path:
     """The cache folder of a config (created)."""
-    return artifact_dir("regenerated", config, name=f"{slug(config.model)}-{config.split}")
+    return artifact_dir("regenerated", cache_key(config), name=f"{slug(config.model)}-{config.split}")
 
 
 # ----------------------------------------------------------------------------- conversations
@@ -218,50 +228,75 @@ def regenerate_chunk(model, tokenizer, rows: Sequence[dict], config: RegenConfig
 
 
 # ----------------------------------------------------------------------------- cache
-def _write_chunk(path: Path, records: list[dict]) -> None:
+def _write_chunk(path: Path, records: list[dict]) -> dict:
+    """Write a chunk atomically -> its ``{"bytes", "sha256"}`` record."""
     lines = [json.dumps(r, sort_keys=True, ensure_ascii=False) for r in records]
-    atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
+    data = ("\n".join(lines) + "\n").encode()
+    atomic_write_bytes(path, data)
+    return bytes_record(data)
 
 
-def _read_chunk(path: Path) -> list[dict]:
+def _chunk_repair(path: Path) -> str:
+    return f"delete {path} and rerun: only that chunk is regenerated (or restored from its pin)"
+
+
+def _read_chunk(path: Path, record: dict, expected: int) -> list[dict]:
+    """The conversations of a chunk whose size and sha256 match ``record`` (a chunk entry of
+    the manifest) and whose count is ``expected``."""
+    repair = _chunk_repair(path)
+    if not path.is_file():
+        raise IntegrityError(path, "file", "present", "missing", repair)
+    if "sha256" not in record:
+        raise IntegrityError(path, "manifest entry", "a sha256", "none (made before "
+                             "checksums)", repair)
+    verify_once(path, record, repair)
     try:
-        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
-    except json.JSONDecodeError as err:
-        raise ValueError(f"corrupted chunk {path}: {err}; delete it to regenerate") from err
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise IntegrityError(path, "content", "JSON lines", str(err), repair) from err
+    if len(rows) != expected:
+        raise IntegrityError(path, "conversations", expected, len(rows), repair)
+    return rows
 
 
 def _load_manifest(path: Path) -> dict | None:
     if not path.exists():
         return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"corrupted manifest {path}: {err}; delete its folder to regenerate") from err
+    return read_json(path, f"delete {path.parent} to regenerate")
 
 
 def _new_manifest(config: RegenConfig, data_hash: str, n_rows: int, skipped: int,
-                  tokenizer) -> dict:
+                  tokenizer, fingerprint: dict) -> dict:
     return {"config": to_jsonable(config), "config_hash": config_hash(config),
+            "model_digest": model_digest(config.model), "model": fingerprint,
             "data_hash": data_hash, "n_conversations": n_rows, "skipped_long_prompt": skipped,
             "chat_template": tokenizer.chat_template, "versions": package_versions(),
             "chunks": [], "complete": False}
 
 
-def _check_manifest(manifest: dict, config: RegenConfig, data_hash: str, path: Path) -> None:
-    if manifest.get("config_hash") != config_hash(config) or manifest.get("data_hash") != data_hash:
+def _check_manifest(manifest: dict, config: RegenConfig, data_hash: str, path: Path,
+                    fingerprint: dict) -> None:
+    expected = (config_hash(config), model_digest(config.model), data_hash)
+    found = (manifest.get("config_hash"), manifest.get("model_digest"), manifest.get("data_hash"))
+    if found != expected:
         raise ValueError(
-            f"stale regeneration cache at {path}: its manifest records config "
-            f"{manifest.get('config_hash')} / data {manifest.get('data_hash')}, expected "
-            f"{config_hash(config)} / {data_hash}; delete that folder to regenerate")
+            f"stale regeneration cache at {path}: its manifest records config / model / data "
+            f"{found}, expected {expected}; delete that folder to regenerate")
+    problems = fingerprint_mismatch(manifest.get("model") or {}, fingerprint)
+    if problems:
+        raise ValueError(f"regeneration cache at {path} was written by another model "
+                         f"({'; '.join(problems)}); pass the model it was made with, or delete "
+                         f"that folder to regenerate")
 
 
 def _resume_manifest(manifest: dict | None, config: RegenConfig, out: Path, data_hash: str,
-                     n_rows: int, skipped: int, tokenizer) -> dict:
+                     n_rows: int, skipped: int, tokenizer, fingerprint: dict) -> dict:
     """A new manifest, or the stored one checked and cut to the chunks whose files exist."""
-    manifest = manifest or _new_manifest(config, data_hash, n_rows, skipped, tokenizer)
-    _check_manifest(manifest, config, data_hash, out)
-    save_config(out, config, data_hash=data_hash)
+    manifest = manifest or _new_manifest(config, data_hash, n_rows, skipped, tokenizer, fingerprint)
+    _check_manifest(manifest, config, data_hash, out, fingerprint)
+    save_config(out, cache_key(config), data_hash=data_hash)
     manifest["chunks"] = [c for c in manifest["chunks"] if (out / c["file"]).exists()]
+    manifest["complete"] = False
     return manifest
 
 
@@ -274,80 +309,111 @@ def _summarize(manifest: dict) -> None:
     manifest["tokens_per_second"] = manifest["new_tokens"] / max(manifest["seconds"], 1e-9)
 
 
+def _chunks_present(directory: Path, manifest: dict) -> bool:
+    return all((directory / c["file"]).is_file() for c in manifest["chunks"])
+
+
 def _dataset(directory: Path, manifest: dict) -> Dataset:
-    rows = [r for c in manifest["chunks"] for r in _read_chunk(directory / c["file"])]
+    rows = [r for c in manifest["chunks"]
+            for r in _read_chunk(directory / c["file"], c, c["n_conversations"])]
+    if len(rows) != manifest["n_conversations"]:
+        raise IntegrityError(directory / "manifest.json", "conversations",
+                             manifest["n_conversations"], len(rows),
+                             f"delete {directory} to regenerate")
     return Dataset.from_list(rows)
 
 
 # ----------------------------------------------------------------------------- pinned copies
 # Greedy replies can differ between CPUs (near-tie argmax flips in fp32), and everything
-# downstream (stores, drafts, study records) is keyed by the text. A finished regeneration
-# can therefore be pinned: copied into a folder that is committed with the results, and
-# restored from there into an empty cache on another machine instead of regenerating.
-_PINNED_FILES = ("manifest.json", "config.json")
+# downstream (stores, drafts, study records) is keyed by the text. A regeneration is
+# therefore pinned: its finished chunks are copied, chunk by chunk as they are written,
+# into a folder that is committed with the results, and restored from there into the cache
+# on another machine, which regenerates only the chunks the pin lacks.
+_PINNED_FILES = ("config.json", "manifest.json")  # manifest last: it names what is there
 
 
 def pin(config: RegenConfig, pinned_dir: Path) -> Path | None:
-    """Copy the finished cache of ``config`` into ``pinned_dir/<cache folder name>`` (once).
-
-    -> the pinned folder, or None when the cache holds no finished regeneration.
-    """
+    """Copy the cache's finished chunks of ``config`` missing from ``pinned_dir/<cache
+    folder name>``, then its manifest. -> the pinned folder, or None when no chunk is done."""
     out = output_dir(config)
     manifest = _load_manifest(out / "manifest.json")
-    if manifest is None or not manifest.get("complete"):
+    if manifest is None or not manifest["chunks"]:
         return None
     target = Path(pinned_dir) / out.name
-    if (target / "manifest.json").exists():
-        return target
-    for name in [c["file"] for c in manifest["chunks"]] + list(_PINNED_FILES):
-        atomic_write_bytes(target / name, (out / name).read_bytes())  # manifest last
+    for chunk in manifest["chunks"]:
+        if not (target / chunk["file"]).is_file():
+            _read_chunk(out / chunk["file"], chunk, chunk["n_conversations"])  # verified copy
+            atomic_write_bytes(target / chunk["file"], (out / chunk["file"]).read_bytes())
+    for name in _PINNED_FILES:
+        atomic_write_bytes(target / name, (out / name).read_bytes())
     return target
 
 
 def restore(config: RegenConfig, pinned_dir: Path) -> bool:
-    """Fill an unfinished cache of ``config`` from its pinned copy, if one exists.
-
-    -> True when the cache now holds the pinned text. A pinned copy made under another
-    config is refused by name.
-    """
+    """Add to the cache of ``config`` the pinned chunks it lacks (checked against their
+    sha256). -> True when chunks were restored. A pin made under another config or model is
+    refused by name; a finished cache is left alone."""
     out = output_dir(config)
     source = Path(pinned_dir) / out.name
     cached = _load_manifest(out / "manifest.json")
     pinned = _load_manifest(source / "manifest.json")
-    if pinned is None or (cached is not None and cached.get("complete")):
+    if pinned is None or (cached is not None and cached.get("complete")
+                          and _chunks_present(out, cached)):
         return False
-    if pinned.get("config_hash") != config_hash(config) or not pinned.get("complete"):
-        raise ValueError(f"pinned regeneration {source} was made under config "
-                         f"{pinned.get('config_hash')} (complete={pinned.get('complete')}), "
-                         f"expected a complete {config_hash(config)}; delete it to regenerate")
-    for name in [c["file"] for c in pinned["chunks"]] + list(_PINNED_FILES):
-        atomic_write_bytes(out / name, (source / name).read_bytes())  # manifest last
-    log.info("restored %d pinned conversations from %s", pinned["n_conversations"], source)
-    return True
+    expected = (config_hash(config), model_digest(config.model))
+    if (pinned.get("config_hash"), pinned.get("model_digest")) != expected:
+        raise ValueError(f"pinned regeneration {source} was made under config / model "
+                         f"{pinned.get('config_hash')} / {pinned.get('model_digest')}, expected "
+                         f"{expected[0]} / {expected[1]}; delete it to regenerate")
+    chunks = {c["file"]: c for c in (cached or {}).get("chunks", []) if (out / c["file"]).is_file()}
+    added = [c for c in pinned["chunks"] if c["file"] not in chunks]
+    for chunk in added:
+        _read_chunk(source / chunk["file"], chunk, chunk["n_conversations"])
+        atomic_write_bytes(out / chunk["file"], (source / chunk["file"]).read_bytes())
+        chunks[chunk["file"]] = chunk
+    merged = {**pinned, "chunks": sorted(chunks.values(), key=lambda c: c["first"])}
+    # complete only when the pin was: regenerate() finishes a partial pin itself
+    merged["complete"] = bool(pinned.get("complete")) and len(chunks) == len(pinned["chunks"])
+    _summarize(merged)
+    atomic_write_bytes(out / "config.json", (source / "config.json").read_bytes())
+    atomic_write_json(out / "manifest.json", merged)
+    log.info("restored %d pinned chunks from %s", len(added), source)
+    return bool(added)
 
 
 def regenerate(config: RegenConfig, model=None, tokenizer=None, device: str | torch.device = "cpu",
-               progress: bool = True) -> Dataset:
+               progress: bool = True, pinned_dir: Path | None = None) -> Dataset:
     """Regenerate (or resume, or read back) the assistant replies of a ShareGPT split.
 
     Pass a loaded ``model``/``tokenizer`` to reuse them (they run on the model's device),
-    else ``config.model`` is loaded on ``device`` in ``config.dtype``. -> Dataset with
-    columns ``id`` and ``messages`` (role/content dicts, replies by the target).
+    else ``config.model`` is loaded on ``device`` in ``config.dtype``. With ``pinned_dir``,
+    pinned chunks are restored first and every finished chunk is pinned as it is written.
+    -> Dataset with columns ``id`` and ``messages`` (role/content dicts, replies by the target).
     """
     out = output_dir(config)
-    manifest_path = out / "manifest.json"
-    manifest = _load_manifest(manifest_path)
-    if manifest is not None and manifest.get("complete"):
+    if pinned_dir is not None:
+        restore(config, pinned_dir)
+    manifest = _load_manifest(out / "manifest.json")
+    if manifest is not None and manifest.get("complete") and _chunks_present(out, manifest):
         return _dataset(out, manifest)
     if model is None:
         model, tokenizer = load(config.model, dtype=DTYPES[config.dtype], device=device)
     elif tokenizer is None:
         raise ValueError("a model was passed without its tokenizer; pass both or neither")
+    with WriterLock(out):
+        manifest = _regenerate_missing(config, model, tokenizer, out, progress, pinned_dir)
+    return _dataset(out, manifest)
+
+
+def _regenerate_missing(config: RegenConfig, model, tokenizer, out: Path, progress: bool,
+                        pinned_dir: Path | None) -> dict:
+    """Generate every chunk the cache lacks (under the writer lock) -> the complete manifest."""
     rows, skipped, data_hash = select_conversations(config, tokenizer)
     if not rows:
         raise ValueError(f"split {config.split!r} has no conversation whose first prompt fits "
                          f"max_prompt_len={config.max_prompt_len}")
-    manifest = _resume_manifest(manifest, config, out, data_hash, len(rows), skipped, tokenizer)
+    manifest = _resume_manifest(_load_manifest(out / "manifest.json"), config, out, data_hash,
+                                len(rows), skipped, tokenizer, model_fingerprint(model))
     done = {c["file"] for c in manifest["chunks"]}
     stop_ids = stop_token_ids(tokenizer, config.model)
     pad_id = next((t for t in (tokenizer.pad_token_id, *stop_ids) if t is not None), 0)
@@ -361,14 +427,18 @@ def regenerate(config: RegenConfig, model=None, tokenizer=None, device: str | to
         records, counts = regenerate_chunk(model, tokenizer, rows[start: start + config.chunk_size],
                                            config, stop_ids, pad_id)
         seconds = time.perf_counter() - tic
-        _write_chunk(out / name, records)
+        checksum = _write_chunk(out / name, records)
         manifest["chunks"].append({"file": name, "first": start, "n_conversations": len(records),
-                                   "seconds": seconds, **counts})
+                                   "seconds": seconds, **counts, **checksum})
         manifest["chunks"].sort(key=lambda c: c["first"])
         _summarize(manifest)
-        atomic_write_json(manifest_path, manifest)
+        atomic_write_json(out / "manifest.json", manifest)
+        if pinned_dir is not None:
+            pin(config, pinned_dir)
         log.info("%s: %d conversations, %d new tokens, %.1f tok/s", name, len(records),
                  counts["new_tokens"], counts["new_tokens"] / max(seconds, 1e-9))
     manifest["complete"] = True
-    atomic_write_json(manifest_path, manifest)
-    return _dataset(out, manifest)
+    atomic_write_json(out / "manifest.json", manifest)
+    if pinned_dir is not None:
+        pin(config, pinned_dir)
+    return manifest
