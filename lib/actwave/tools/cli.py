@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="subsample the kept tokens to this many (0 = all)")
     select.add_argument("--method", action="append", choices=sorted(METHODS),
                         help="selection method(s) to run (repeatable; default: all). The "
-                             "top-proxy method (renyi2_exhaustive) and the EAGLE-3 default always run; "
-                             "greedy_aggregate_entropy dominates the cost on deep or wide models")
+                             "top-proxy method (renyi2_exhaustive) and the EAGLE-3 default "
+                             "always run; greedy_aggregate_entropy dominates the cost on deep "
+                             "or wide models")
     select.add_argument("--engine", action="append", choices=sorted(ENGINES),
                         help="engine(s) to print ids for (repeatable; default: all)")
     select.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
