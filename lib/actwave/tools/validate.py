@@ -47,6 +47,8 @@ FIXED_METHODS = ("eagle3_default", "evenly_spaced", "last_k", "first_k", "random
 STUDY_PROFILE = "study"
 RANK_STABILITY_GLOB = "*rank_stability*.csv"
 DEFAULT_LABEL = "eagle3_default"
+# select's top proxy pick on each token set, as the study labels it
+TOP_PROXY_LABELS = ("renyi2_exhaustive", "renyi2_exhaustive@filtered")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -374,7 +376,7 @@ def study_evidence(slug: str, results: Path | None = None) -> list[str]:
 
 
 def _sets_vs_default(table: Path) -> list[str]:
-    """The study's entropy picks vs the default in one model's table."""
+    """The study's Rényi-2 picks (``select``'s top proxy) vs the default in one model's table."""
     with table.open() as f:
         rows = list(csv.DictReader(f))
     model = table.stem.removeprefix("10_sets_vs_default_")
@@ -382,11 +384,27 @@ def _sets_vs_default(table: Path) -> list[str]:
     lines = [f"  {model} ({table.relative_to(table.parents[2])}): EAGLE-3 default "
              f"({default['layer_ids']}) τ̂ {float(default['tau_hat']):.4f}, "
              f"{default['n_seeds']} seeds"]
+    names = _study_names(table.parent / f"08_sets_{model}.csv", TOP_PROXY_LABELS)
     for row in rows:
-        if row["label"].split("@")[0] == "renyi2_exhaustive":
-            lines.append(f"    {row['label']} ({row['layer_ids']}): Δτ̂ "
+        if row["label"] in names:
+            lines.append(f"    {names[row['label']]} ({row['layer_ids']}): Δτ̂ "
                          f"{float(row['vs_default_diff']):+.4f} {_ci(row)}")
     return lines
+
+
+def _study_names(sets_table: Path, wanted) -> dict[str, str]:
+    """{study label: the ``wanted`` name it carries}: a set picked by several methods is
+    trained once under its first label, the others are its aliases (08_sets table)."""
+    if not sets_table.exists():
+        return {name: name for name in wanted}
+    with sets_table.open() as f:
+        rows = list(csv.DictReader(f))
+    out = {}
+    for row in rows:
+        names = [row["label"], *filter(None, row.get("aliases", "").split(","))]
+        for name in (n for n in names if n in wanted):
+            out[row["label"]] = name if name == row["label"] else f"{name} (= {row['label']})"
+    return out
 
 
 def _ci(row: dict) -> str:
