@@ -37,6 +37,7 @@ def test_candidates_are_distinct_proxy_picks_ranked_by_percentile():
 def test_budget_falls_back_to_the_study_budget_until_rank_stability_exists(tmp_path):
     budget = validate.default_budget("smollm2-135m", {"train_steps": 64}, tmp_path)
     assert budget.steps == 64 and budget.note == validate.NOT_MEASURED
+    assert budget.source.startswith("train_steps of profiles/study.yaml")
     assert "rank stability across budgets not yet measured" in budget.note
     (tmp_path / "12_rank_stability.csv").write_text(
         "model,train_steps,predicts\nsmollm2-135m,32,false\nsmollm2-135m,128,true\n"
@@ -100,9 +101,10 @@ def test_validate_trains_scores_and_recommends_the_default(model_folder, tmp_pat
 
 def test_a_candidate_forced_better_is_recommended(model_folder, tmp_path,  # noqa: F811
                                                   capsys, monkeypatch):
-    """Scoring injection (not a constructed target): the records of the top candidate are
-    rewritten so each held-out root accepts one token more than the default's, a τ̂ gain of
-    1.0 on every sequence and seed; the rule must then recommend that set and export it."""
+    """Scoring injection, not a constructed target (drafts would need hundreds of steps to
+    learn a one-layer signal: too slow here): the records of the top candidate are rewritten
+    so each held-out root accepts one token more, a τ̂ gain of 1.0 on every sequence and
+    seed; the rule must then recommend that set and export it."""
     real_run_draft = runs.run_draft
     first = run_validate(model_folder, tmp_path)  # the trained records (cached)
     top = first["validation"]["rows"][0]["label"]
@@ -123,3 +125,27 @@ def test_a_candidate_forced_better_is_recommended(model_folder, tmp_path,  # noq
     layers = result["recommendation"]["layers"]
     assert result["engine_ids"]["recommended"]["vllm>=pr36063"]["ids"] == layers
     assert f"RECOMMENDATION: {tuple(layers)} ({top})" in capsys.readouterr().out
+
+
+def test_study_evidence_is_read_from_the_tables_at_run_time(tmp_path):
+    """Numbers, aliases and the proxy verdict come from the tables found, not from code."""
+    (tmp_path / "10_sets_vs_default_foo.csv").write_text(
+        "label,layer_ids,n_seeds,tau_hat,vs_default_diff,vs_default_ci_low,vs_default_ci_high,"
+        "vs_default_seq_ci_low,vs_default_seq_ci_high\n"
+        'eagle3_default,"2,5,9",3,1.5,,,,,\n'
+        'greedy_aggregate_entropy,"1,7,9",3,1.6,0.1,0.05,0.15,0.06,0.14\n'
+        'renyi2_exhaustive@filtered,"3,7,9",1,1.4,-0.1,,,-0.2,-0.01\n')
+    (tmp_path / "08_sets_foo.csv").write_text(
+        'label,layer_ids,aliases\ngreedy_aggregate_entropy,"1,7,9","renyi2_exhaustive,mrmr"\n'
+        'renyi2_exhaustive@filtered,"3,7,9",\n')
+    (tmp_path / "10_proxy_correlations.csv").write_text(
+        "proxy,token_set,n,spearman,spearman_p,kendall,kendall_p,model\n"
+        "renyi2,all,20,0.8,0.001,0.6,0.001,foo\nlogdet,all,20,0.1,0.6,0.1,0.6,foo\n")
+    lines = "\n".join(validate.study_evidence("foo", tmp_path))
+    assert "EAGLE-3 default (2,5,9) τ̂ 1.5000, 3 seeds" in lines
+    assert ("renyi2_exhaustive (= greedy_aggregate_entropy) (1,7,9): Δτ̂ +0.1000 "
+            "[95% CI +0.0500, +0.1500]") in lines
+    assert "renyi2_exhaustive@filtered (3,7,9): Δτ̂ -0.1000 [sequence-only 95% CI" in lines
+    assert "foo: renyi2 (all tokens) ranks trained drafts" in lines  # Holm p 0.002
+    assert "no result for" not in lines
+    assert "No committed study tables" in validate.study_evidence("foo", tmp_path / "none")[0]

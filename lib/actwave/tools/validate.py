@@ -100,21 +100,22 @@ class Budget:
     note: str | None = None
 
 
-def default_budget(slug: str, profile: dict, results: Path | None = None) -> Budget:
+def default_budget(slug: str, profile: dict, results: Path | None = None,
+                   profile_name: str = STUDY_PROFILE) -> Budget:
     """The budget at which short-run rankings predict long-run ones, for model ``slug``.
 
     Looked up in the study's rank-stability table (``results/study/*rank_stability*.csv``,
     columns ``model``, ``train_steps``, ``predicts``: the smallest ``train_steps`` whose
     ``predicts`` is true for this model). Until that table exists, the study profile's
-    per-draft budget (``train_steps``) with ``NOT_MEASURED`` as the note.
+    per-draft budget (``train_steps`` of ``profile``) with ``NOT_MEASURED`` as the note.
     """
     results = Path(results or results_dir(STUDY_PROFILE))
     for table in sorted(results.glob(RANK_STABILITY_GLOB)):
         steps = _stable_steps(table, slug)
         if steps is not None:
             return Budget(steps, f"{table.name} (rank stability)")
-    return Budget(int(profile["train_steps"]), "the study's per-draft budget (train_steps)",
-                  NOT_MEASURED)
+    return Budget(int(profile["train_steps"]), f"train_steps of profiles/{profile_name}.yaml, "
+                  "the study's per-draft budget", NOT_MEASURED)
 
 
 def _stable_steps(table: Path, slug: str) -> int | None:
@@ -199,8 +200,8 @@ def estimate_cost(slug: str, steps: int, n_drafts: int, results: Path | None = N
     """
     records = _study_records(slug, results)
     if not records:
-        return {"seconds": math.nan, "source": f"no study records of {slug}: the estimate "
-                                                "follows the first draft"}
+        return {"seconds": math.nan, "source": f"no study records of {slug} to time it: see "
+                                                "the drafts bar's ETA after the first draft"}
     per_step = statistics.median(r["train_seconds"] / r["train"]["total_steps"] for r in records)
     scoring = statistics.median(max(r["wall_seconds"] - r["train_seconds"], 0.0) for r in records)
     return {"seconds": n_drafts * (steps * per_step + scoring),
@@ -308,7 +309,7 @@ def run_validation(args: argparse.Namespace, select_result: dict) -> dict:
     slug = model_zoo.slug(args.model)
     profile = load_profile(args.validate_profile)
     budget = (Budget(args.budget, "--budget") if args.budget is not None
-              else default_budget(slug, profile))
+              else default_budget(slug, profile, profile_name=args.validate_profile))
     config = study_config(args.model, profile, budget.steps)
     candidates = candidate_sets(select_result, args.candidates)
     default = eagle3_default(select_result["num_layers"])
@@ -334,7 +335,8 @@ def _plan_line(budget: Budget, n_sets: int, seeds: int, cost: dict) -> str:
     when = "unknown" if math.isnan(seconds) else f"≈ {seconds / 60:.0f} min"
     lines = [f"validation: {n_sets} sets × {seeds} seeds = {n_sets * seeds} drafts of "
              f"{budget.steps} steps ({budget.source}); predicted cost {when} ({cost['source']}; "
-             "finished drafts are read, not retrained)"]
+             "plus the train/eval capture when not cached; finished drafts are read, not "
+             "retrained)"]
     return "\n".join(lines + ([f"  note: {budget.note}"] if budget.note else []))
 
 
@@ -367,6 +369,8 @@ def study_evidence(slug: str, results: Path | None = None) -> list[str]:
     trained drafts. For a model outside the study: every bundled model's result."""
     results = Path(results or results_dir(STUDY_PROFILE))
     tables = sorted(results.glob("10_sets_vs_default_*.csv"))
+    if not tables:
+        return [f"No committed study tables (10_sets_vs_default_*.csv) under {results}."]
     own = [t for t in tables if t.stem.endswith(f"_{slug}")]
     lines = [] if own else [f"The study has no result for {slug}; it found, for the bundled "
                             "models:"]
