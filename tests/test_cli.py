@@ -1,5 +1,6 @@
 """``python -m actwave select`` on a tiny random Llama saved to a folder with its own tiny
 byte-level BPE tokenizer (no real model needed)."""
+import csv
 import json
 import re
 import subprocess
@@ -94,8 +95,13 @@ def test_select_says_what_the_proxies_are_evidence_of(model_folder, tmp_path, ca
     assert result["evidence"][0].startswith("The proxies")
     # the tiny model is outside the study: every bundled model's committed result is cited
     assert "The study has no result for tiny-select-llama" in printed
+    table = Path(__file__).parents[1] / "results/study/10_sets_vs_default_smollm2-135m.csv"
+    row = next(r for r in csv.DictReader(table.open()) if r["label"].endswith("@filtered")
+               and r["label"].startswith("renyi2_exhaustive"))
     assert "results/study/10_sets_vs_default_smollm2-135m.csv" in printed
-    assert "renyi2_exhaustive@filtered (11,28,29): Δτ̂ -0.0150 [95% CI -0.0239, -0.0055]" in printed
+    assert (f"renyi2_exhaustive@filtered ({row['layer_ids']}): Δτ̂ "
+            f"{float(row['vs_default_diff']):+.4f} [95% CI {float(row['vs_default_ci_low']):+.4f}, "
+            f"{float(row['vs_default_ci_high']):+.4f}]") in printed
     assert "smollm2-135m: no proxy ranks trained drafts" in printed
 
 

@@ -85,7 +85,8 @@ def test_validate_trains_scores_and_recommends_the_default(model_folder, tmp_pat
     printed = capsys.readouterr().out
     validation = result["validation"]
     assert validation["budget"]["steps"] == 2 and validation["seeds"] == 3  # smoke budget
-    assert len(validation["rows"]) == 2 and all(math.isfinite(r["diff"]) for r in validation["rows"])
+    assert len(validation["rows"]) == 2
+    assert all(math.isfinite(r["diff"]) for r in validation["rows"])
     assert all(r["tau_hat"] >= 1.0 for r in validation["rows"])
     assert not any(r["better"] for r in validation["rows"])
     assert result["recommendation"]["layers"] == [2, 4, 5]

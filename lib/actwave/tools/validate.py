@@ -77,7 +77,8 @@ def args_problem(args: argparse.Namespace) -> str | None:
     if not args.validate:
         return None
     if args.k != 3:
-        return f"--validate compares with the EAGLE-3 default, which has 3 layers: --k 3, got {args.k}"
+        return ("--validate compares with the EAGLE-3 default, which has 3 layers: --k 3, "
+                f"got {args.k}")
     if args.candidates < 1:
         return f"--candidates must be ≥ 1, got {args.candidates}"
     if args.seeds < study_stats.MIN_UNITS:
@@ -129,26 +130,24 @@ def _stable_steps(table: Path, slug: str) -> int | None:
 # ----------------------------------------------------------------------------- the sets
 def candidate_sets(select_result: dict, n: int) -> list[dict]:
     """The top ``n`` distinct sets the selection methods picked (not the default), ranked by
-    Rényi-2 percentile on their token set (ties: the recommended token set first).
+    Rényi-2 percentile on their token set (ties: the recommended token set first, then the
+    methods' order).
 
     -> [{"label", "layers", "renyi2_pct", "picked_by": ["method@token set", ...]}].
     """
     default = list(eagle3_default(select_result["num_layers"]))
     found: dict[tuple, dict] = {}
-    for order, (token_set, entry) in enumerate(_token_sets_first(select_result)):
+    for token_set, entry in _token_sets_first(select_result):
         for row in entry["methods"]:
             if row["method"] in FIXED_METHODS or list(row["layers"]) == default:
                 continue
-            layers = tuple(row["layers"])
-            rank = (-_finite(row["renyi2_pct"]), order)
-            item = found.setdefault(layers, {"label": set_label(layers), "layers": list(layers),
-                                             "renyi2_pct": row["renyi2_pct"], "picked_by": [],
-                                             "_rank": rank})
+            item = found.setdefault(tuple(row["layers"]), {
+                "label": set_label(row["layers"]), "layers": list(row["layers"]),
+                "renyi2_pct": -math.inf, "picked_by": []})
             item["picked_by"].append(f"{row['label']}@{token_set}")
-            if rank < item["_rank"]:
-                item.update(renyi2_pct=row["renyi2_pct"], _rank=rank)
-    ranked = sorted(found.values(), key=lambda item: item.pop("_rank"))
-    return ranked[:n]
+            item["renyi2_pct"] = max(item["renyi2_pct"], _finite(row["renyi2_pct"]))
+    # sorted() is stable: equal percentiles keep the order they were found in
+    return sorted(found.values(), key=lambda item: -item["renyi2_pct"])[:n]
 
 
 def _token_sets_first(select_result: dict) -> list[tuple[str, dict]]:
