@@ -86,8 +86,8 @@ def args_problem(args: argparse.Namespace) -> str | None:
                 f"needs {study_stats.MIN_UNITS} seeds per set), got {args.seeds}")
     if args.budget is not None and args.budget < 1:
         return f"--budget must be ≥ 1 training step, got {args.budget}"
-    if not 0.0 < args.alpha < 1.0:
-        return f"--alpha must be in (0, 1), got {args.alpha}"
+    if not 0.0 < args.alpha < 0.5:
+        return f"--alpha must be in (0, 0.5) (a one-sided error level), got {args.alpha}"
     return None
 
 
