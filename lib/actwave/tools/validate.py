@@ -15,6 +15,13 @@ candidates at family-wise level α (default 0.05): with m candidates not yet rej
 candidate whose lower bound at level 1 − α/m is > 0 is rejected (better than the default) and
 m shrinks, until none is. Among the candidates found better, the largest Δτ̂ is recommended.
 
+Budget (``default_budget``): the steps at which the study's short-run ranking predicts its
+long-run one, read from a rank-stability table once the study has one; until then the study
+profile's per-draft budget, and the output says the short-run ranking may not predict trained
+drafts (``NOT_MEASURED``). Cost (``estimate_cost``): drafts × (steps × the median seconds per
+step + the median scoring seconds of the study's committed records of the model), printed
+before any training; progress is a tqdm bar over drafts and one per draft.
+
 Drafts and records live under ``cache_dir()/validate`` keyed like the study's records (study
 config, training config, store hashes), so a rerun skips every finished draft.
 """
