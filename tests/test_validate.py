@@ -150,3 +150,17 @@ def test_study_evidence_is_read_from_the_tables_at_run_time(tmp_path):
     assert "foo: renyi2 (all tokens) ranks trained drafts" in lines  # Holm p 0.002
     assert "no result for" not in lines
     assert "No committed study tables" in validate.study_evidence("foo", tmp_path / "none")[0]
+
+
+def test_the_study_profile_gives_the_study_stores():
+    """``study_config`` maps profiles/study.yaml as notebook 08 does: the same train / eval
+    capture keys as the committed store index, so --validate reads the study's stores and
+    pinned regenerated text instead of regenerating."""
+    from actwave.config import config_hash, results_dir
+    from actwave.tools.runplan import load_profile
+
+    config = validate.study_config("smollm2-135m", load_profile("study"), 64)
+    index = runs.read_stores_index(results_dir("study"))["smollm2-135m"]
+    for split in ("train", "eval"):
+        assert index[split].endswith(config_hash(config.capture(split)))
+    assert config.train_config((2, 15, 27), 0).total_steps == 64
