@@ -14,7 +14,7 @@ SMOKE = ["--validate-profile", "smoke-study"]
 
 def select_result(rows_by_token_set):
     """A ``run_select`` result holding only what ``candidate_sets`` reads."""
-    return {"num_layers": NUM_LAYERS, "recommended_token_set": "top",
+    return {"num_layers": NUM_LAYERS, "proxy_token_set": "top",
             "token_sets": {name: {"methods": [
                 {"label": label, "method": label, "layers": layers, "renyi2_pct": pct}
                 for label, layers, pct in rows]} for name, rows in rows_by_token_set.items()}}

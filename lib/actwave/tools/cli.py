@@ -94,7 +94,7 @@ def run_select(args: argparse.Namespace) -> dict:
     if "eagle3_default" in methods:
         picks["eagle3_default"] = _row(token_sets[filtered], "eagle3_default")
     result = {"model": args.model, "num_layers": num_layers, "hidden_size": store.hidden_size,
-              "k": args.k, "store_tokens": store.n_tokens, "recommended_token_set": filtered,
+              "k": args.k, "store_tokens": store.n_tokens, "proxy_token_set": filtered,
               "top_proxy_method": config.combined_method,
               "n_subsets": math.comb(num_layers, args.k), "token_sets": token_sets,
               "picks": picks}
@@ -173,7 +173,7 @@ def format_report(result: dict) -> str:
              "eagle3_default": "EAGLE-3 default"}
     for name, row in result["picks"].items():
         lines.append(f"{names[name]:<34} {str(tuple(row['layers'])):<14} H2 percentile "
-                     f"{row['renyi2_pct']:5.1f} on the {result['recommended_token_set']} tokens")
+                     f"{row['renyi2_pct']:5.1f} on the {result['proxy_token_set']} tokens")
     lines += [""] + result["evidence"] + [""]
     if "validation" in result:
         lines += validate.format_validation(result["validation"]) + [""]
@@ -192,7 +192,7 @@ def _method_table(label: str, token_set: dict, result: dict) -> list[str]:
     marks = {result["top_proxy_method"]: "*", "eagle3_default": "D"}
     head = f"  {'method':<26}{'layers':<16}" + "".join(f"{t:>15}" for _, t, _ in COLUMNS)
     legend = ("  (* top proxy pick, D EAGLE-3 default)"
-              if label == result["recommended_token_set"] else "")
+              if label == result["proxy_token_set"] else "")
     lines = [f"token set '{label}': {token_set['n_tokens']:,} of {token_set['n_seen']:,} "
              f"tokens{legend}", head]
     for row in sorted(token_set["methods"], key=lambda r: -r["renyi2"]):

@@ -137,7 +137,7 @@ def _stable_steps(table: Path, slug: str) -> int | None:
 # ----------------------------------------------------------------------------- the sets
 def candidate_sets(select_result: dict, n: int) -> list[dict]:
     """The top ``n`` distinct sets the selection methods picked (not the default), ranked by
-    Rényi-2 percentile on their token set (ties: the recommended token set first, then the
+    Rényi-2 percentile on their token set (ties: the proxy token set first, then the
     methods' order).
 
     -> [{"label", "layers", "renyi2_pct", "picked_by": ["method@token set", ...]}].
@@ -158,8 +158,8 @@ def candidate_sets(select_result: dict, n: int) -> list[dict]:
 
 
 def _token_sets_first(select_result: dict) -> list[tuple[str, dict]]:
-    """The token sets, the recommended one first."""
-    first = select_result["recommended_token_set"]
+    """The token sets, the one of the top proxy pick (top-entropy tokens) first."""
+    first = select_result["proxy_token_set"]
     return sorted(select_result["token_sets"].items(), key=lambda item: item[0] != first)
 
 
