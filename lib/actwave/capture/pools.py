@@ -1,4 +1,4 @@
-"""Pools of regenerated text (``profiles/pools.yaml``), shared by every stage that trains or
+"""Pools of regenerated text (``profiles/data/pools.yaml``), shared by every stage that trains or
 scores drafts on on-policy text.
 
 A pool is one ``RegenConfig`` per (model, split), regenerated once, pinned chunk by chunk
@@ -20,12 +20,12 @@ from datasets import Dataset
 from actwave.capture.regenerate import RegenConfig, regenerate
 from actwave.config import repo_root
 
-POOLS_FILE = "profiles/pools.yaml"
+POOLS_FILE = "profiles/data/pools.yaml"
 PINNED_DIR = "results/regenerated"
 
 
 def pool_configs(root: Path | None = None) -> dict[str, dict[str, RegenConfig]]:
-    """{model: {split: RegenConfig}} as ``profiles/pools.yaml`` declares them."""
+    """{model: {split: RegenConfig}} as ``profiles/data/pools.yaml`` declares them."""
     path = (root or repo_root()) / POOLS_FILE
     declared = yaml.safe_load(path.read_text()) or {}
     return {model: {split: RegenConfig(model=model, split=split, **fields)
