@@ -55,10 +55,10 @@ class WSDSchedule:
         if not 0.0 < self.decay_fraction <= 1.0 or self.min_decay < 1:
             raise ValueError(f"need 0 < decay_fraction <= 1 and min_decay >= 1, got "
                              f"{self.decay_fraction}, {self.min_decay}")
-        for budget in self.budgets:
-            if self.branch_start(budget) < self.warmup_steps:
+        for budget in self.budgets:  # a branch starts from a trunk checkpoint after warmup
+            if self.branch_start(budget) < max(1, self.warmup_steps):
                 raise ValueError(f"budget {budget}: its decay ({self.decay_steps(budget)} steps)"
-                                 f" would start inside the warmup ({self.warmup_steps} steps)")
+                                 f" would start before step max(1, warmup={self.warmup_steps})")
 
     def decay_steps(self, budget: int) -> int:
         """d_b = max(⌈fraction·b⌉, minimum), at most b."""

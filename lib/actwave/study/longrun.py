@@ -51,12 +51,10 @@ from actwave.eagle3.online import OnlineSource, train_online
 from actwave.eagle3.schedule import WSDSchedule, cost
 from actwave.eagle3.train import Segment, TrainConfig, _pad
 from actwave.study.runs import StudySet
+from actwave.study.stats import PRIMARY, REFERENCE
 
 log = logging.getLogger(__name__)
 RECORD_FORMAT = "actwave-longrun-record-v1"
-REFERENCE = "eagle3_default"
-# The pre-registered primary comparison: REFERENCE vs this set at the largest budget.
-PRIMARY = "renyi2_exhaustive@filtered"
 
 
 @dataclass(frozen=True)
