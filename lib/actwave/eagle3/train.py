@@ -464,10 +464,14 @@ def _optimizer(draft: Eagle3Draft, config: TrainConfig, schedule=None):
     return optimizer, scheduler
 
 
-def _start_from(segment: Segment, draft: Eagle3Draft, optimizer, scheduler) -> dict:
-    """Load ``segment.init_from`` (another run's checkpoint) -> its meta; the learning rate
-    of the next step is this run's schedule's, not the other run's."""
+def _start_from(segment: Segment, draft: Eagle3Draft, optimizer, scheduler,
+                store_hash: str | None) -> dict:
+    """Load ``segment.init_from`` (another run's checkpoint, on the same training data)
+    -> its meta; the learning rate of the next step is this run's schedule's."""
     meta = load_checkpoint(Path(segment.init_from), draft, optimizer, scheduler)
+    if meta.get("store_config_hash") not in (None, store_hash):
+        raise ValueError(f"checkpoint {segment.init_from} was trained on "
+                         f"{meta['store_config_hash']}, not {store_hash}")
     if segment.lr_schedule is not None:
         for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
             group["lr"] = base * segment.lr_schedule(meta["step"])
@@ -543,7 +547,7 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
         start, history, eval_history = meta["step"], meta["history"], meta["eval_history"]
         log.info("resuming %s at step %d", out_dir, start)
     elif segment.init_from is not None:
-        meta = _start_from(segment, draft, optimizer, scheduler)
+        meta = _start_from(segment, draft, optimizer, scheduler, source.config_hash)
         start, history, eval_history = meta["step"], meta["history"], meta["eval_history"]
     stop = _stop_step(segment, config, start)
     module, optimizer = accelerator.prepare(TTTLoss(draft, config.ttt_steps, config.gamma),

@@ -135,19 +135,23 @@ def record_path(results_dir: Path, job: Job) -> Path:
 
 
 def status(jobs: list[Job], results_dir: Path, schedule: WSDSchedule,
-           fallback_seconds_per_step: float = 1.1) -> dict:
+           fallback_seconds_per_step: float = 1.1, fallback_score_seconds: float = 200.0
+           ) -> dict:
     """What is done and what is left, from the records on disk.
 
     -> {"done", "missing" (job names in run order), "by_budget" {budget: [done, total]},
-    "seconds_per_step" (median over the records, else the fallback), "score_seconds" (mean
-    per record, else 0), "remaining_seconds" (missing jobs' steps × s/step + scoring)}.
+    "seconds_per_step" (median over the records), "score_seconds" (mean per record),
+    "remaining_seconds" (missing jobs' steps × s/step + scoring)}. Before any record the
+    fallbacks: 1.1 s/step (the online benchmark draft, batch 2 × 320 tokens, 2 idle cores)
+    and ~200 s to score 400 held-out sequences (extrapolated from 2.5 s/sequence on one
+    thread of a loaded machine).
     """
     records = {j: json.loads(record_path(results_dir, j).read_text()) for j in jobs
                if record_path(results_dir, j).exists()}
     per_step = [r["training"]["seconds"] / r["budget"] for r in records.values()]
     seconds_per_step = float(np.median(per_step)) if per_step else fallback_seconds_per_step
     score = float(np.mean([r["training"]["score_seconds"] for r in records.values()])
-                  if records else 0.0)
+                  if records else fallback_score_seconds)
     steps = job_steps(jobs, schedule)
     missing = [j for j in jobs if j not in records]
     by_budget = {b: [sum(j.budget == b for j in records), sum(j.budget == b for j in jobs)]
@@ -279,7 +283,7 @@ def score_online(draft, source: OnlineSource, target, depth: int, batch_size: in
     for index, result in enumerate(results):
         n_reply = int(source.loss_mask[index].sum())
         walk, rounds = sequence_walk(result.roots.tolist(), result.accepted.tolist(), n_reply)
-        rows.append({"sequence": index, "roots": result.n_roots,
+        rows.append({"roots": result.n_roots,
                      "accepted": int(result.accepted.sum()), "n_reply": n_reply,
                      "walk_tau": walk, "walk_rounds": rounds})
     return {"tau_hat": tau_hat(results), "depth": depth, "n_sequences": len(results),
