@@ -96,6 +96,11 @@ def test_branch_from_trunk_checkpoint_equals_straight_run(tmp_path):
     assert branch.history[-1]["lr"] == pytest.approx(config.lr / 2)  # d = 2: 1/2, then 0
     for name, tensor in straight.draft.trainable_state_dict().items():
         assert torch.equal(branch.draft.trainable_state_dict()[name], tensor), name
+    other = OnlineSource.from_sequences(random_sequences(8, 1), "online-other", "other")
+    with pytest.raises(ValueError, match="trained on online-train"):
+        train_online(other, target, config, tmp_path / "other", progress=False,
+                     segment=Segment(schedule.branch(8), init_from=tmp_path / "trunk"
+                                     / "checkpoints" / f"step-{start:07d}"))
     with pytest.raises(ValueError, match="past it"):  # the trunk cannot go back to step 3
         train_online(source, target, config, tmp_path / "trunk", progress=False,
                      segment=Segment(schedule.trunk(), stop_at=3))

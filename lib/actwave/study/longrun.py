@@ -356,8 +356,8 @@ def _branch_started(branch: Path) -> bool:
 
 
 def _machine(target) -> dict:
-    """Where the seconds were measured: host, device, threads, and the load average when the
-    job started (≈ 0 on an idle machine)."""
+    """Where the seconds were measured: host, device, threads, and the 1-minute load average
+    when the job started (≈ 0 on an idle machine; ``run_job`` adds the one at its end)."""
     return {"host": platform.node(), "processor": platform.processor() or platform.machine(),
             "device": str(next(target.parameters()).device), "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(), "load_average": os.getloadavg()[0]}
@@ -396,7 +396,8 @@ def run_job(job: Job, run: LongRun, progress: bool = False) -> dict:
                            "trunk_seconds": result.history[start - 1]["seconds"],
                            "tokens": int(sum(row["tokens"] for row in result.history)),
                            "score_seconds": time.perf_counter() - tic},
-              "machine": machine, "draft_fingerprint": result.draft.fingerprint(),
+              "machine": {**machine, "load_average_end": os.getloadavg()[0]},
+              "draft_fingerprint": result.draft.fingerprint(),
               "offline": offline, "versions": package_versions()}
     atomic_write_json(path, record)
     shutil.rmtree(branch / "checkpoints", ignore_errors=True)
