@@ -113,6 +113,8 @@ class Segment:
     ``total_steps``; stop_at: train up to this step only (checkpointed there, nothing marked
     complete); init_from: another run's checkpoint folder to start from when out_dir has
     none of its own (its weights, optimizer, RNG and history; the LR set by lr_schedule).
+    Checkpoints are keyed by the ``TrainConfig``, not the schedule: give each schedule its
+    own out_dir.
     """
 
     lr_schedule: Callable[[int], float] | None = None
@@ -483,8 +485,8 @@ def _stop_step(segment: Segment, config: TrainConfig, start: int) -> int:
     """The step this call trains up to: ``segment.stop_at`` or ``total_steps``."""
     stop = config.total_steps if segment.stop_at is None else segment.stop_at
     if not start <= stop <= config.total_steps:
-        raise ValueError(f"cannot train from step {start} to stop_at={stop} (total_steps "
-                         f"{config.total_steps}): the checkpoint is past it")
+        raise ValueError(f"stop_at={stop} must lie between the start step {start} (of the "
+                         f"checkpoint resumed) and total_steps={config.total_steps}")
     return stop
 
 

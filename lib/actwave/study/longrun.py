@@ -197,7 +197,8 @@ def pool_source(regen, tokenizer, max_seq_len: int, pinned_dir: Path | None = No
     folder = regenerate.output_dir(regen)
     manifest = json.loads((folder / "manifest.json").read_text()) if (
         folder / "manifest.json").exists() else {}
-    if not manifest.get("complete"):
+    if not manifest.get("complete") or not all((folder / c["file"]).is_file()
+                                               for c in manifest["chunks"]):
         raise ValueError(f"regeneration {folder} is not finished; wait for it (or run "
                          "actwave.capture.regenerate.regenerate) first")
     rows = regenerate.regenerate(regen, progress=False)
