@@ -3,7 +3,7 @@
 SmolLM2 (default), float32, T=0, on the first turns of MT-bench and HumanEval
 (``--n-prompts`` each): our plain greedy, HF ``generate``, HF prompt-lookup decoding, and
 our EAGLE-3 speculative decoding with the fixed tree (``--depth/--top-k/--total-tokens``)
-and with ``tree="auto"`` — the shape ``actwave.decoding.costmodel`` picks from this machine's
+and with the auto shape — the one ``actwave.decoding.costmodel`` picks from this machine's
 measured cost curve (cached) and the draft's acceptance on held-out ShareGPT replies.
 Per row: tokens/s, speedup vs our greedy (95% bootstrap CI over prompts), τ, speedup ÷ τ
 (the share of τ that survives the round's cost) and the exact-match rate vs our greedy.

@@ -59,7 +59,7 @@ import torch
 from actwave import index, plots
 from actwave.capture import models as model_zoo
 from actwave.config import results_dir as profile_results
-from actwave.decoding import evaluate, fastpath
+from actwave.decoding import evaluate, fastpath, report
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)
@@ -102,7 +102,7 @@ for name in model_names:
 summary = pd.concat([c.summary().assign(model=name) for name, c in comparisons.items()])
 plots.save_table(summary, f"{NOTEBOOK}_summary", NOTEBOOK, results_dir,
                  sort_by=["model", "pass", "benchmark", "label"])
-main = pd.concat([evaluate.main_table(run["summary"], layer_sets[name])
+main = pd.concat([report.main_table(run["summary"], layer_sets[name])
                   .assign(model=name, shape=c.shape_label(pass_name), routes=c.routes)
                   for name, c in comparisons.items() for pass_name, run in c.runs.items()])
 main = main[["model", "shape"] + [col for col in main.columns if col not in ("model", "shape")]]
@@ -124,7 +124,7 @@ taus = pd.DataFrame([{"model": name, "label": row.label,
                      if row.benchmark == "all" and row.label in layer_sets[name]])
 selection_path = results_dir / "05_selection.csv"
 if selection_path.exists():
-    joined, correlations = evaluate.tau_vs_scores(taus, evaluate.read_selection_scores(selection_path))
+    joined, correlations = report.tau_vs_scores(taus, report.read_selection_scores(selection_path))
 else:
     logging.warning("%s missing: run notebook 05 for the score correlations", selection_path)
     joined, correlations = taus.iloc[:0].assign(token_set="", score="", value=0.0), pd.DataFrame()

@@ -7,6 +7,7 @@ from actwave.capture.forward import hidden_states
 from actwave.decoding.acceptance import (decode_walk, leading_hits, root_mask, sequence_acceptance,
                                          tau_hat)
 from actwave.decoding.speculative import generate, greedy_generate
+from actwave.decoding.tree import TreeShape
 from actwave.eagle3 import Eagle3Draft
 from actwave.eagle3.ttt import TTTLoss
 from actwave.eagle3.vocab import draft_target_ids
@@ -66,7 +67,7 @@ def offline(draft, target, sequence, prompt_len, depth, top_k=1, layers=LAYERS):
 def test_walk_equals_chain_decoding_tau(greedy_case, depth):
     target, prompt, sequence, draft = greedy_case
     n_new = sequence.numel() - prompt.shape[1]
-    spec = generate(target, draft, prompt, n_new, mode="chain", depth=depth)
+    spec = generate(target, draft, prompt, n_new, shape=TreeShape("chain", depth=depth))
     assert spec.tokens == sequence[prompt.shape[1]:].tolist()
     result = offline(draft, target, sequence, prompt.shape[1], depth)
     accepted_at = dict(zip(result.roots.tolist(), result.accepted.tolist()))

@@ -159,3 +159,34 @@ def test_module_entry_point_runs():
     done = subprocess.run([sys.executable, "-m", "actwave", "select", "--help"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "--filter-quantile" in done.stdout
+
+
+def test_help_lists_every_subcommand():
+    done = subprocess.run([sys.executable, "-m", "actwave", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    for name in ("select", *cli.DELEGATES):
+        assert re.search(rf"^\s+{name}\s", done.stdout, re.M), f"{name} not in actwave --help"
+
+
+@pytest.mark.parametrize("command", ["select", *cli.DELEGATES])
+def test_every_subcommand_has_its_own_help(command, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # bench's run_all.py adds benchmarks/
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_console_script_is_the_cli():
+    import tomllib
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"] == {"actwave": "actwave.tools.cli:main"}
+
+
+def test_delegates_pass_their_arguments_and_exit_status(monkeypatch):
+    from actwave.tools import compare
+    seen = []
+    monkeypatch.setattr(compare, "main", lambda argv: seen.append(argv) or 3)
+    assert cli.main(["compare", "--profile", "study"]) == 3
+    assert seen == [["--profile", "study"]]

@@ -9,12 +9,12 @@ from actwave.capture.models import stop_token_ids
 from actwave.decoding import linear_routes
 from actwave.decoding.acceptance import decode_walk
 from actwave.decoding.speculative import generate, greedy_generate
+from actwave.decoding.tree import TreeShape
 from actwave.eagle3 import Eagle3Draft
 from test_acceptance import fitted_draft, offline
 
 LAYERS = (2, 15, 27)  # EAGLE-3's default (2, N//2, N−3) for N = 30
-SHAPES = {"chain": dict(mode="chain", depth=3),
-          "tree": dict(mode="tree", depth=3, top_k=3, total_tokens=8)}
+SHAPES = {"chain": TreeShape("chain", depth=3), "tree": TreeShape("tree", 3, 3, 8)}
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +42,14 @@ def test_speculative_equals_greedy_on_smollm2_under_each_route(real_case, shape,
     modules = {"smollm2-135m": target, "draft": draft} if routes == "measured" else {}
     with linear_routes.routed(modules):
         greedy = greedy_generate(target, prompt, len(reply), eos).tokens
-        spec = generate(target, draft, prompt, len(reply), eos_token_ids=eos, **SHAPES[shape])
+        spec = generate(target, draft, prompt, len(reply), eos_token_ids=eos, shape=SHAPES[shape])
     assert spec.tokens == greedy == reply
     assert spec.tau > 1.2  # the fitted draft is accepted: multi-token rounds are exercised
 
 
 def test_offline_walk_equals_decoding_tau_on_smollm2(real_case):
     target, prompt, reply, sequence, draft, eos = real_case
-    spec = generate(target, draft, prompt, len(reply), eos_token_ids=eos, **SHAPES["chain"])
+    spec = generate(target, draft, prompt, len(reply), eos_token_ids=eos, shape=SHAPES["chain"])
     result = offline(draft, target, sequence, prompt.shape[1], depth=3, layers=LAYERS)
     walk_tau, rounds = decode_walk(dict(zip(result.roots.tolist(), result.accepted.tolist())),
                                    prompt.shape[1], len(reply))

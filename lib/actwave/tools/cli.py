@@ -1,4 +1,14 @@
-"""Command line: ``python -m actwave select --model ID --k 3`` picks draft layers for a model.
+"""The actwave command (also python -m actwave): one subcommand per tool.
+
+    actwave select --model ID [--k 3]     pick draft layers for a model (below)
+    actwave plan [--profile P]            what a profile's steps need (actwave.tools.plan)
+    actwave run notebooks|run …           a profile's notebooks (actwave.tools.runplan)
+    actwave compare [--profile P]         a rerun against the committed tables (actwave.tools.compare)
+    actwave train --model ID --store …    train one draft (actwave.eagle3.train)
+    actwave bench [--size quick]          every benchmark (benchmarks/run_all.py of a checkout)
+
+Every subcommand but ``select`` hands its arguments to that module's ``main(argv)``, so
+``actwave <command> --help`` is the module's own help.
 
 ``select`` runs the pipeline of notebooks 01–05 for one model: the analysis capture
 (``actwave.capture.store``), the layer statistics for all tokens and for the top-entropy tokens
@@ -18,14 +28,16 @@ docs/METHODS.md §10; engine rules: §15.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from actwave.capture.store import CaptureConfig, run_capture
-from actwave.config import atomic_write_json
+from actwave.config import atomic_write_json, repo_root
 from actwave.eagle3.export import ENGINES, engine_layer_ids
 from actwave.stats import analysis, selection_report
 from actwave.stats.selection import METHODS
@@ -43,8 +55,16 @@ CPU_PROFILE_KEYS = {"sequences": "analysis_sequences", "max_seq_len": "max_seq_l
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m actwave", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="actwave", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    add_select_parser(commands)
+    for name, (help_text, _) in DELEGATES.items():
+        commands.add_parser(name, help=help_text, add_help=False)  # its module parses the rest
+    return parser
+
+
+def add_select_parser(commands) -> None:
+    """``actwave select``: choose k layers for a model (``run_select``)."""
     select = commands.add_parser("select", help="choose k layers to feed an EAGLE-3 draft")
     select.add_argument("--model", required=True,
                         help="bundled name (smollm2-135m, gemma3-270m), HF id in the local "
@@ -72,7 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
     select.add_argument("--seed", type=int, default=0)
     select.add_argument("--json", type=Path, help="also write the full result to this file")
     validate.add_arguments(select)
-    return parser
 
 
 def run_select(args: argparse.Namespace) -> dict:
@@ -213,21 +232,70 @@ def _engine_table(result: dict) -> list[str]:
     return lines
 
 
+def _plan(argv: list[str]) -> int | None:
+    from actwave.tools import plan
+    return plan.main(argv)
+
+
+def _run(argv: list[str]) -> int | None:
+    from actwave.tools import runplan
+    return runplan.main(argv)
+
+
+def _compare(argv: list[str]) -> int | None:
+    from actwave.tools import compare
+    return compare.main(argv)
+
+
+def _train(argv: list[str]) -> int | None:
+    from actwave.eagle3 import train
+    return train.main(argv)
+
+
+def _bench(argv: list[str]) -> int | None:
+    """benchmarks/run_all.py of this checkout (benchmarks/ is scripts, not a package)."""
+    path = repo_root() / "benchmarks" / "run_all.py"
+    if not path.is_file():
+        raise SystemExit(f"actwave bench: no {path}; run it from a checkout of the repository")
+    spec = importlib.util.spec_from_file_location("run_all", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(argv)
+    return 0
+
+
+# subcommand -> (help, runner of the module's main(argv)); imported on use (startup stays fast)
+DELEGATES = {
+    "plan": ("what each step of a profile needs: disk, memory, time", _plan),
+    "run": ("a profile's notebooks: list them (notebooks) or execute one (run)", _run),
+    "compare": ("compare a rerun's tables with the committed ones", _compare),
+    "train": ("train one EAGLE-3 draft from a capture store", _train),
+    "bench": ("run every benchmark and write the summary table", _bench),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m actwave``; returns the exit status."""
+    """Entry point of ``actwave`` and ``python -m actwave``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
+    if argv and argv[0] in DELEGATES:
+        code = DELEGATES[argv[0]][1](argv[1:])
+        return code if isinstance(code, int) else 0
     args = parser.parse_args(argv)
-    if args.command == "select":
-        problem = _select_args_problem(args)
-        if problem:
-            parser.error(problem)  # exits with status 2 before any model is loaded
-        try:
-            result = run_select(args)
-        except ValueError as err:  # a bad value found once the model is known (e.g. k > N)
-            parser.error(str(err))
-        print(format_report(result))
-        if args.json:
-            atomic_write_json(args.json, result)
+    return _select(parser, args)
+
+
+def _select(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    problem = _select_args_problem(args)
+    if problem:
+        parser.error(problem)  # exits with status 2 before any model is loaded
+    try:
+        result = run_select(args)
+    except ValueError as err:  # a bad value found once the model is known (e.g. k > N)
+        parser.error(str(err))
+    print(format_report(result))
+    if args.json:
+        atomic_write_json(args.json, result)
     return 0
 
 
