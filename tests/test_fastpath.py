@@ -36,6 +36,10 @@ def test_both_shapes_decode_exactly_and_say_what_ran(llama, tmp_path, routes):
     auto = summary[summary["pass"] == "auto"]["shape"].iloc[0]
     assert auto.startswith(f"auto: {result.auto.mode} {result.auto.depth}/")
     assert sorted(result.reach) == [1, 2, 4, 8] and 0 <= result.reach[1][0] <= 1
+    draft_rows = summary[summary["label"].isin(["a", "b"])]
+    assert draft_rows["predicted_speedup"].notna().all()
+    assert summary.loc[summary["label"] == "greedy", "predicted_speedup"].isna().all()
+    assert result.shapes["fixed"].total_tokens == 6 and result.shapes["fixed"].round_seconds > 0
     assert ("draft a" in result.tables) == (routes == "measured")
     assert all(linear_routes.active(module) is None for module in (llama, *drafts.values()))
     assert len(list(tmp_path.glob("t-fixed-*.json"))) == len(list(tmp_path.glob("t-auto-*.json"))) == 1

@@ -30,7 +30,8 @@ from actwave.decoding.acceptance import sequence_acceptance
 from actwave.decoding.evaluate import benchmark_prompts
 from actwave.decoding.speculative import accept_round, greedy_generate, verify_forward
 from actwave.decoding.timing import synchronize
-from actwave.decoding.tree import DraftTree, TreeShape, build_tree, choose_shape, rank_acceptance
+from actwave.decoding.tree import (DraftTree, TreeShape, build_tree, choose_shape, rank_acceptance,
+                                   score_shape)
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -187,6 +188,20 @@ def load_or_measure(target, draft, context: int = 256, max_tokens: int = 64,
     return curve
 
 
+def _curves(target, draft, costs: CostCurve | None) -> tuple:
+    costs = costs or load_or_measure(target, draft)
+    return (costs.verify_seconds, costs.level_seconds, costs.catch_up_seconds,
+            costs.greedy_seconds)
+
+
+def _reach(acceptance) -> torch.Tensor:
+    if acceptance is None:
+        raise ValueError("auto_shape needs acceptance: the draft's per-depth reach "
+                         "probabilities on held-out text (a list, or {top_k: list}), e.g. "
+                         "from actwave.decoding.acceptance")
+    return rank_acceptance(acceptance)
+
+
 def auto_shape(target, draft, acceptance, costs: CostCurve | None = None) -> TreeShape:
     """The tree with the most expected tokens per second for this draft on this machine.
 
@@ -194,15 +209,17 @@ def auto_shape(target, draft, acceptance, costs: CostCurve | None = None) -> Tre
     (top-1 chain) or {top_k: list} (see ``actwave.decoding.tree.rank_acceptance``); costs: a
     ``CostCurve``, else ``load_or_measure``.
     """
-    if acceptance is None:
-        raise ValueError("auto_shape needs acceptance: the draft's per-depth reach "
-                         "probabilities on held-out text (a list, or {top_k: list}), e.g. "
-                         "from actwave.decoding.acceptance")
-    p = rank_acceptance(acceptance)
-    costs = costs or load_or_measure(target, draft)
-    return choose_shape(p, costs.verify_seconds, costs.level_seconds, costs.catch_up_seconds,
-                        costs.greedy_seconds, max_depth=p.shape[0],
-                        max_top_k=len(costs.level_seconds))
+    p = _reach(acceptance)
+    curves = _curves(target, draft, costs)
+    return choose_shape(p, *curves, max_depth=p.shape[0], max_top_k=len(curves[1]))
+
+
+def predict(target, draft, acceptance, shape: TreeShape,
+            costs: CostCurve | None = None) -> TreeShape:
+    """``shape`` with what the cost model expects of it (tokens and seconds per round,
+    predicted speedup) for this draft's held-out ``acceptance`` on this machine."""
+    return score_shape(_reach(acceptance), shape.depth, shape.top_k, shape.total_tokens,
+                       *_curves(target, draft, costs))
 
 
 def held_out_prompts(tokenizer, n: int, skip: int = 0, max_tokens: int = 384) -> list[torch.Tensor]:

@@ -35,11 +35,12 @@ ROUTES = ("measured", "stock")
 
 @dataclass
 class Comparison:
-    """What ``compare`` decoded: per pass the ``evaluate`` output, the auto shape and the
-    held-out reach it rests on ({top_k: [P(first d accepted)]}), the route tables used."""
+    """What ``compare`` decoded: per pass the ``evaluate`` output and the shape with the cost
+    model's prediction for it, the held-out reach the auto shape rests on ({top_k: [P(first
+    d accepted)]}), the route tables used."""
 
     runs: dict[str, dict[str, pd.DataFrame]]
-    auto: TreeShape
+    shapes: dict[str, TreeShape]
     reach: dict[int, list[float]]
     routes: str
     tables: dict[str, linear_routes.RouteTable]
@@ -51,7 +52,14 @@ class Comparison:
                            for name, run in self.runs.items()],
                           ignore_index=True).rename(columns={"pass_": "pass"})
         table["speedup_per_tau"] = table["speedup"] / table["tau"]  # share of τ the round cost keeps
+        drafts = table["label"].isin(self.runs["fixed"]["drafts"])
+        table["predicted_speedup"] = table["pass"].map(
+            {name: shape.predicted_speedup for name, shape in self.shapes.items()}).where(drafts)
         return table
+
+    @property
+    def auto(self) -> TreeShape:
+        return self.shapes["auto"]
 
     def shape_label(self, name: str) -> str:
         """'tree 4/4/16' style label of a pass's shape (mode depth/top-k/total tokens)."""
@@ -104,11 +112,23 @@ def compare(target, tokenizer, drafts: dict, config: EvalConfig, eos_token_ids, 
     skip = config.n_prompts if "sharegpt" in config.benchmarks else 0
     with route_context(target, drafts, routes, config.model) as tables:
         reach = mean_reach(target, tokenizer, drafts, eos_token_ids, acceptance_prompts, skip)
-        auto = costmodel.auto_shape(target, next(iter(drafts.values())), reach)
+        first = next(iter(drafts.values()))
+        shapes = {"fixed": _predicted(target, first, reach, config),
+                  "auto": costmodel.auto_shape(target, first, reach)}
         configs = {"fixed": config,
-                   "auto": dataclasses.replace(config, peers=False, **auto.settings())}
+                   "auto": dataclasses.replace(config, peers=False, **shapes["auto"].settings())}
         runs = {name: {**evaluate(target, tokenizer, drafts, pass_config, list(eos_token_ids),
                                   out_dir=out_dir, run_name=f"{run_name}-{name}"),
-                       "config": pass_config}
+                       "config": pass_config, "drafts": list(drafts)}
                 for name, pass_config in configs.items()}
-    return Comparison(runs, auto, reach, routes, tables)
+    return Comparison(runs, shapes, reach, routes, tables)
+
+
+def _predicted(target, draft, reach, config: EvalConfig) -> TreeShape:
+    """The fixed shape of ``config`` with the cost model's prediction (NaN when the shape
+    lies past the measured cost curves)."""
+    shape = TreeShape(config.mode, config.depth, config.top_k, config.total_tokens)
+    try:
+        return costmodel.predict(target, draft, reach, shape)
+    except ValueError:
+        return shape

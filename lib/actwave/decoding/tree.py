@@ -320,6 +320,25 @@ def node_values(p: torch.Tensor, depth: int, top_k: int) -> list[float]:
     return sorted(values, reverse=True)
 
 
+def score_shape(p: torch.Tensor, depth: int, top_k: int, total_tokens: int,
+                verify_seconds: Sequence[float], level_seconds: Sequence[float],
+                catch_up_seconds: float, greedy_seconds: float) -> TreeShape:
+    """What the cost model expects of one shape: tokens per round (1 + the best
+    ``total_tokens`` − 1 node values), seconds per round (catch-up + (depth−1) levels of
+    ``top_k`` rows + one verification over ``total_tokens``) and their rate ÷ greedy's.
+    Arguments as ``choose_shape``; a shape past the measured curves is refused."""
+    if total_tokens > len(verify_seconds) or top_k > len(level_seconds):
+        raise ValueError(f"shape {depth}/{top_k}/{total_tokens} lies past the measured cost "
+                         f"curves ({len(verify_seconds)} verify sizes, {len(level_seconds)} widths)")
+    gains = node_values(p, depth, top_k)
+    expected = 1.0 + sum(gains[: total_tokens - 1])
+    seconds = catch_up_seconds + (depth - 1) * level_seconds[top_k - 1] + verify_seconds[total_tokens - 1]
+    mode = "chain" if top_k == 1 else "tree"
+    return TreeShape(mode=mode, depth=depth if mode == "tree" else total_tokens - 1, top_k=top_k,
+                     total_tokens=total_tokens, expected_tokens=expected, round_seconds=seconds,
+                     predicted_speedup=expected / seconds * greedy_seconds)
+
+
 def choose_shape(p: torch.Tensor, verify_seconds: Sequence[float], level_seconds: Sequence[float],
                  catch_up_seconds: float, greedy_seconds: float, max_depth: int = 8,
                  max_top_k: int = 8) -> TreeShape:
@@ -332,21 +351,15 @@ def choose_shape(p: torch.Tensor, verify_seconds: Sequence[float], level_seconds
     """
     if not verify_seconds or not level_seconds:
         raise ValueError("verify_seconds and level_seconds must be non-empty cost curves")
+    costs = (verify_seconds, level_seconds, catch_up_seconds, greedy_seconds)
     best = None
     for depth in range(1, max_depth + 1):
         for top_k in range(1, min(max_top_k, len(level_seconds)) + 1):
-            gains = node_values(p, depth, top_k)
-            draft_cost = catch_up_seconds + (depth - 1) * level_seconds[top_k - 1]
-            expected = 1.0
-            for n in range(2, min(len(gains) + 1, len(verify_seconds)) + 1):
-                expected += gains[n - 2]
-                seconds = draft_cost + verify_seconds[n - 1]
-                if best is None or expected / seconds > best[0]:
-                    best = (expected / seconds, depth, top_k, n, expected, seconds)
+            n_nodes = len(node_values(p, depth, top_k))
+            for n in range(2, min(n_nodes + 1, len(verify_seconds)) + 1):
+                shape = score_shape(p, depth, top_k, n, *costs)
+                if best is None or shape.predicted_speedup > best.predicted_speedup:
+                    best = shape
     if best is None:  # depth or verify curve too short for any tree of two tokens
         raise ValueError(f"no tree fits: verify_seconds has {len(verify_seconds)} sizes (need >= 2)")
-    rate, depth, top_k, n, expected, seconds = best
-    mode = "chain" if top_k == 1 else "tree"
-    return TreeShape(mode=mode, depth=depth if mode == "tree" else n - 1, top_k=top_k,
-                     total_tokens=n, expected_tokens=expected, round_seconds=seconds,
-                     predicted_speedup=rate * greedy_seconds)
+    return best
