@@ -35,6 +35,10 @@ ARTIFACTS = ROOT / "results" / "test-artifacts"
 NOTEBOOK = "notebooks/03_cka_geometry.py"
 PROFILE = "lab"
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+MISSING_BROWSER = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
+# A fresh machine may lack Debian's Chromium: skip there, but CI (.ci/run installs it and
+# sets ACTWAVE_REQUIRE_BROWSER=1) must fail rather than silently skip the browser test.
+REQUIRE_BROWSER = os.environ.get("ACTWAVE_REQUIRE_BROWSER") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -245,10 +249,13 @@ return found;"""
 
 
 @pytest.mark.notebook
+@pytest.mark.skipif(bool(MISSING_BROWSER) and not REQUIRE_BROWSER,
+                    reason=f"{MISSING_BROWSER} not installed (`apt-get install -y chromium "
+                           "chromium-driver`); set ACTWAVE_REQUIRE_BROWSER=1 to fail instead")
 def test_jupyterlab_in_chromium_opens_runs_and_shows_the_figure(lab):
-    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
-    assert not missing, (f"{missing} not installed: `apt-get install -y chromium "
-                         f"chromium-driver` (.ci/run installs them)")
+    assert not MISSING_BROWSER, (f"{MISSING_BROWSER} not installed but ACTWAVE_REQUIRE_BROWSER=1:"
+                                 " `apt-get install -y chromium chromium-driver` (.ci/run "
+                                 "installs them)")
     source_before = (ROOT / NOTEBOOK).read_text()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     screenshot = ARTIFACTS / "jupyterlab-03_cka_geometry.png"
