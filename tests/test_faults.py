@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import time
 
 import pytest
@@ -262,25 +263,82 @@ def _hold_lock(folder, seconds):
         time.sleep(seconds)
 
 
-def test_lock_names_its_holder_and_stale_locks_are_taken_over(tmp_path):
-    holder = _child(_hold_lock, tmp_path, 3.0)
-    # the lock file is created first and filled right after: wait until it names its holder
-    while not (tmp_path / ".lock").exists() or not (tmp_path / ".lock").read_text():
+def _wait_for_record(path):
+    # the lock is taken first and its record written right after: wait until it names its holder
+    while not path.exists() or not path.read_text():
         time.sleep(0.05)
-    with pytest.raises(LockedError, match=rf"being written by pid {holder.pid} on host"):
+
+
+def test_a_live_holder_is_named_and_a_dead_one_releases_the_lock(tmp_path):
+    holder = _child(_hold_lock, tmp_path, 30.0)
+    _wait_for_record(tmp_path / ".lock")
+    with pytest.raises(LockedError, match=rf"being written by pid {holder.pid} on host "
+                                          rf".*lock file {tmp_path / '.lock'}"):
         WriterLock(tmp_path, timeout=0).__enter__()
-    holder.kill()  # dies holding the lock
+    holder.kill()  # dies holding the lock: the kernel releases it, the record stays
     holder.join()
-    assert (tmp_path / ".lock").exists()
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == holder.pid
     with WriterLock(tmp_path, timeout=0):
         assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+        with pytest.raises(LockedError, match="nested writers"):
+            WriterLock(tmp_path, timeout=0).__enter__()
     assert not (tmp_path / ".lock").exists()
-    (tmp_path / ".lock").write_text("")  # a writer died between creating and filling it
-    with pytest.raises(LockedError):
-        WriterLock(tmp_path, timeout=0).__enter__()  # young: perhaps still being written
-    os.utime(tmp_path / ".lock", (time.time() - 120, time.time() - 120))
+
+
+def test_foreign_records_follow_the_kernel_lock(tmp_path):
+    """The rule (docs/FAULTS.md): a record nobody flocks is overwritten whatever host or
+    pid it names; a held lock blocks whatever its record says, and a timeout names it."""
+    (tmp_path / ".lock").write_text(json.dumps({"pid": os.getpid(), "host": "other-node"}))
+    with WriterLock(tmp_path, timeout=0):  # a reused pid / another host's leftover: taken
+        assert json.loads((tmp_path / ".lock").read_text())["host"] != "other-node"
+    (tmp_path / ".lock").write_text("")  # a writer died between locking and recording
     with WriterLock(tmp_path, timeout=0):
         pass
+    holder = _child(_hold_lock, tmp_path, 30.0)
+    try:
+        _wait_for_record(tmp_path / ".lock")
+        # as a holder on another NFS client would write it: only the record names the host
+        (tmp_path / ".lock").write_text(json.dumps({"pid": 4242, "host": "other-node"}))
+        tic = time.monotonic()
+        with pytest.raises(LockedError, match=r"by pid 4242 on host 'other-node' \(lock file "
+                                              r".*\.lock\); waited 0\.[3-9]"):
+            WriterLock(tmp_path, timeout=0.3, poll=0.05).__enter__()
+        assert time.monotonic() - tic < 5
+    finally:
+        holder.kill()
+        holder.join()
+
+
+def _race(folder, barrier, rounds, log_path):
+    """Per round: meet the other takers, take the round's lock, log enter/exit around a
+    short critical section."""
+    for round_ in range(rounds):
+        barrier.wait()
+        with WriterLock(folder / f"round-{round_:03d}", poll=0.001):
+            with open(log_path, "a") as f:
+                f.write(f"{round_} enter {os.getpid()}\n")
+                f.flush()
+                time.sleep(0.002)  # a window in which a second writer would show
+                f.write(f"{round_} exit {os.getpid()}\n")
+
+
+def test_lock_race_admits_one_writer_at_a_time(tmp_path):
+    """100 rounds of 4 processes released at once onto a lock left by another process
+    (the unlink+create takeover let two in, 2-3 times in 100)."""
+    rounds, takers = 100, 4
+    for round_ in range(rounds):  # a leftover record of a dead writer of this host
+        (tmp_path / f"round-{round_:03d}").mkdir()
+        (tmp_path / f"round-{round_:03d}" / ".lock").write_text(
+            json.dumps({"pid": 999_999_999, "host": socket.gethostname()}))
+    barrier, log_path = FORK.Barrier(takers), tmp_path / "log"
+    processes = [_child(_race, tmp_path, barrier, rounds, log_path) for _ in range(takers)]
+    for process in processes:
+        process.join(300)
+    assert [p.exitcode for p in processes] == [0] * takers
+    lines = log_path.read_text().split("\n")[:-1]
+    assert len(lines) == 2 * rounds * takers
+    for enter, leave in zip(lines[::2], lines[1::2]):  # strictly enter, exit of the same writer
+        assert enter.split()[1] == "enter" and leave == enter.replace("enter", "exit")
 
 
 # ----------------------------------------------------------------------------- NaN
@@ -367,18 +425,3 @@ def test_drafts_and_stores_refuse_layer_ids_that_are_not_ints(target, reference_
         Eagle3Draft.from_target(target, layers, 64)
     with pytest.raises(ValueError, match="element must be an int"):
         next(reference_store.iter_shards(layers=layers))
-
-
-def test_a_killed_but_unreaped_holder_is_dead():
-    """A lock held by a killed process its parent has not reaped (a zombie) is stale."""
-    import subprocess
-    import time
-
-    from actwave.integrity import _alive
-
-    child = subprocess.Popen(["sleep", "30"])
-    assert _alive(child.pid)
-    child.kill()
-    time.sleep(0.2)  # killed, not yet waited for: a zombie
-    assert not _alive(child.pid)
-    child.wait()
