@@ -4,6 +4,7 @@ Each test breaks one thing the way it breaks in practice (SIGKILL of a real proc
 flipped byte on disk, two processes on one folder) and checks that nothing wrong is
 cached: the outcomes are the README's "What survives what" table.
 """
+import errno
 import json
 import math
 import multiprocessing
@@ -26,8 +27,11 @@ from actwave.integrity import IntegrityError, LockedError, WriterLock, bytes_rec
 from actwave.stats import analysis
 
 FORK = multiprocessing.get_context("fork")  # children inherit the tiny models: no re-import
+# The draft vocabulary is the whole target vocabulary: the random target's argmax tokens are
+# not among the few reply tokens, and the loss counts only argmaxes the draft can propose, so
+# a smaller one gives loss 0 at every step and weights that never change.
 TRAIN = dict(layer_ids=(1, 2, 3), ttt_steps=2, total_steps=6, warmup_steps=1, batch_size=2,
-             max_seq_len=40, draft_vocab_size=64, checkpoint_every=2, eval_sequences=2)
+             max_seq_len=40, draft_vocab_size=49152, checkpoint_every=2, eval_sequences=2)
 
 
 @pytest.fixture(scope="module")
@@ -120,12 +124,33 @@ def _equal(a, b):
 
 @pytest.fixture(scope="module")
 def trained(target, reference_store, tmp_path_factory):
-    """A capture store and an uninterrupted training run on it: (store, weights, history)."""
+    """A capture store and an uninterrupted training run on it: (store, weights, history,
+    {checkpoint step: weights})."""
     train_store = reference_store
     out = tmp_path_factory.mktemp("reference")
-    result = train_mod.train_draft(train_store, target, train_mod.TrainConfig(**TRAIN), out,
-                                   progress=False)
-    return train_store, _weights(result.draft), result.history
+    snapshots, real = {}, train_mod.save_checkpoint
+
+    def save_and_keep(out_dir, step, draft, *args):
+        snapshots[step] = _weights(draft)
+        return real(out_dir, step, draft, *args)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train_mod, "save_checkpoint", save_and_keep)
+        result = train_mod.train_draft(train_store, target, train_mod.TrainConfig(**TRAIN), out,
+                                       progress=False)
+    return train_store, _weights(result.draft), result.history, snapshots
+
+
+def test_training_has_a_signal(trained):
+    """Without a loss the resume tests below would compare untouched initial weights."""
+    _, weights, history, snapshots = trained
+    assert all(row["loss"] > 1.0 and row["loss_1"] > 0 for row in history)
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert sorted(snapshots) == [2, 4, 6] and _equal(snapshots[6], weights)
+    floats = [name for name, value in weights.items() if value.is_floating_point()]
+    assert len(floats) > 10
+    for earlier, later in ((2, 4), (4, 6)):
+        assert not [name for name in floats
+                    if torch.equal(snapshots[earlier][name], snapshots[later][name])]
 
 
 # ----------------------------------------------------------------------------- kills
@@ -157,14 +182,48 @@ def _train_killed(train_store, target, out, kill_at_step):
                           progress=False)
 
 
+def _numbers(history):
+    """Per-step losses, agreements, lr and tokens (not the wall-clock seconds)."""
+    return [{k: v for k, v in row.items() if k != "seconds"} for row in history]
+
+
 def test_kill_during_training_resumes_bit_identical(target, trained, tmp_path):
-    train_store, weights, history = trained
+    train_store, weights, history, snapshots = trained
     assert _in_child(_train_killed, train_store, target, tmp_path, 4) == -signal.SIGKILL
     assert not (tmp_path / "config.json").exists()
+    kept = load_file(tmp_path / "checkpoints" / "step-0000004" / "state.safetensors")
+    assert _equal({k.removeprefix("draft."): v for k, v in kept.items()
+                   if k.startswith("draft.")}, snapshots[4])
+    assert not _equal(snapshots[4], weights)  # the resumed steps 5-6 have work to do
     result = train_mod.train_draft(train_store, target, train_mod.TrainConfig(**TRAIN), tmp_path,
                                    progress=False)
     assert _equal(_weights(result.draft), weights)
-    assert [row["loss"] for row in result.history] == [row["loss"] for row in history]
+    assert _numbers(result.history) == _numbers(history)
+
+
+def test_disk_full_during_a_checkpoint_leaves_no_temp_folder(target, trained, tmp_path,
+                                                             monkeypatch):
+    train_store, weights, history, _ = trained
+    config, real = train_mod.TrainConfig(**TRAIN), train_mod.atomic_write_json
+
+    def disk_full_at_step_4(path, obj):
+        if path.parent.name.startswith(".tmp-step-0000004-"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, obj)
+    monkeypatch.setattr(train_mod, "atomic_write_json", disk_full_at_step_4)
+    with pytest.raises(OSError, match="No space left on device"):
+        train_mod.train_draft(train_store, target, config, tmp_path, progress=False)
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-0000002"]
+    # a SIGKILL mid-write runs no cleanup: the next start removes what it left
+    leftover = checkpoints / ".tmp-step-0000004-killed"
+    leftover.mkdir()
+    (leftover / "state.safetensors").write_bytes(b"half a checkpoint")
+    monkeypatch.setattr(train_mod, "atomic_write_json", real)
+    result = train_mod.train_draft(train_store, target, config, tmp_path, progress=False)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-0000006"]
+    assert _equal(_weights(result.draft), weights)
+    assert _numbers(result.history) == _numbers(history)
 
 
 # ----------------------------------------------------------------------------- corruption
@@ -203,7 +262,7 @@ def test_corrupted_layer_stats_are_refused_then_recomputed(reference_store):
 
 
 def test_corrupted_checkpoint_is_refused_and_a_missing_tensor_too(target, trained, tmp_path):
-    train_store, weights, _ = trained
+    train_store, weights, _, _ = trained
     config = train_mod.TrainConfig(**TRAIN)
     assert _in_child(_train_killed, train_store, target, tmp_path, 4) == -signal.SIGKILL
     checkpoint = tmp_path / "checkpoints" / "step-0000004"
@@ -224,7 +283,7 @@ def test_corrupted_checkpoint_is_refused_and_a_missing_tensor_too(target, traine
 
 
 def test_corrupted_draft_is_refused_then_rebuilt_from_its_checkpoint(target, trained, tmp_path):
-    train_store, weights, _ = trained
+    train_store, weights, _, _ = trained
     config = train_mod.TrainConfig(**TRAIN)
     train_mod.train_draft(train_store, target, config, tmp_path, progress=False)
     _flip_byte(tmp_path / "draft" / "model.safetensors")
@@ -344,7 +403,7 @@ def test_lock_race_admits_one_writer_at_a_time(tmp_path):
 # ----------------------------------------------------------------------------- NaN
 def test_nan_stops_training_and_nothing_is_saved_complete(target, trained, tmp_path,
                                                          monkeypatch):
-    train_store, weights, _ = trained
+    train_store, weights, _, _ = trained
     config = train_mod.TrainConfig(**TRAIN)
     real, steps = train_mod.make_batch, []
 
@@ -399,7 +458,7 @@ def _config_kept(seed):
 
 
 def test_finished_draft_from_another_store_is_refused(target, trained, tmp_path):
-    train_store, _, _ = trained
+    train_store, _, _, _ = trained
     config = train_mod.TrainConfig(**TRAIN)
     train_mod.train_draft(train_store, target, config, tmp_path / "run", progress=False)
     other = shutil.copytree(train_store.path, tmp_path / "other")

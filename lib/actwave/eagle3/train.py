@@ -51,6 +51,7 @@ from actwave.integrity import (IntegrityError, WriterLock, bytes_record, int_ids
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TRAIN_COLUMNS = ("input_ids", "argmax", "loss_mask", "seq_index")
+CHECKPOINT_TMP = ".tmp-"  # prefix of a checkpoint being written (never read)
 
 
 @dataclass
@@ -272,12 +273,12 @@ def save_checkpoint(out_dir: Path, step: int, draft: Eagle3Draft, optimizer, sch
     """``out_dir/checkpoints/step-XXXXXXX/``: weights, optimizer, RNG (safetensors) + meta.json.
 
     Written into a uniquely named temp folder and renamed, then older checkpoints are
-    removed. meta.json records the state file's size and sha256 and the store's hash.
+    removed; the temp folder is removed when writing fails (a full disk, Ctrl-C).
+    meta.json records the state file's size and sha256 and the store's hash.
     """
     root = out_dir / "checkpoints"
     final = root / f"step-{step:07d}"
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step-{step:07d}-"))
     optimizer_tensors, param_groups = _optimizer_to_tensors(optimizer.state_dict())
     weights = {f"draft.{k}": v for k, v in draft.trainable_state_dict().items()}
     require_finite_tensors(f"checkpoint at step {step}", weights)
@@ -285,17 +286,33 @@ def save_checkpoint(out_dir: Path, step: int, draft: Eagle3Draft, optimizer, sch
     if torch.cuda.is_available():
         tensors.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     state = save_tensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
-    (tmp / "state.safetensors").write_bytes(state)
-    atomic_write_json(tmp / "meta.json", {
-        "step": step, "config_hash": config_hash(config), "param_groups": param_groups,
-        "scheduler": scheduler.state_dict(), "history": history, "eval_history": eval_history,
-        "state": bytes_record(state), "store_config_hash": store_hash})
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f"{CHECKPOINT_TMP}step-{step:07d}-"))
+    try:
+        (tmp / "state.safetensors").write_bytes(state)
+        atomic_write_json(tmp / "meta.json", {
+            "step": step, "config_hash": config_hash(config), "param_groups": param_groups,
+            "scheduler": scheduler.state_dict(), "history": history,
+            "eval_history": eval_history, "state": bytes_record(state),
+            "store_config_hash": store_hash})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint is never kept
+        raise
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     for older in root.glob("step-*"):
         if older != final:
             shutil.rmtree(older, ignore_errors=True)
     return final
+
+
+def remove_checkpoint_temps(out_dir: Path) -> list[Path]:
+    """Remove ``checkpoints/.tmp-*`` folders of a writer that died mid-checkpoint (SIGKILL,
+    power loss: no ``except`` ran); -> the removed paths. Call holding out_dir's lock."""
+    leftovers = sorted((out_dir / "checkpoints").glob(f"{CHECKPOINT_TMP}*"))
+    for path in leftovers:
+        log.warning("removing %s, left by an interrupted checkpoint write", path)
+        shutil.rmtree(path, ignore_errors=True)
+    return leftovers
 
 
 def _checkpoint_repair(path: Path) -> str:
@@ -491,6 +508,8 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
         except IntegrityError as err:
             log.warning("rebuilding the draft from its last checkpoint: %s", err)
     accelerator = Accelerator()
+    if accelerator.is_main_process:  # the lock holder: no other writer's temp folders exist
+        remove_checkpoint_temps(out_dir)
     data = load_data()
     eval_data = (load_sequences(eval_store, config.layer_ids, config.max_seq_len,
                                 config.eval_sequences) if eval_store is not None else None)
