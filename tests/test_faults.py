@@ -484,3 +484,24 @@ def test_drafts_and_stores_refuse_layer_ids_that_are_not_ints(target, reference_
         Eagle3Draft.from_target(target, layers, 64)
     with pytest.raises(ValueError, match="element must be an int"):
         next(reference_store.iter_shards(layers=layers))
+
+
+@pytest.mark.parametrize("carrier", ["config.json", "tokenizer_config.json"])
+def test_a_model_with_its_own_code_is_refused_without_a_prompt(tmp_path, monkeypatch, carrier):
+    from transformers import LlamaConfig
+
+    from actwave.capture import models
+
+    LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=128).save_pretrained(tmp_path)
+    marker = tmp_path / "ran"
+    (tmp_path / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    auto_map = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM",
+                "AutoConfig": "modeling_evil.EvilConfig"}
+    record = json.loads((tmp_path / carrier).read_text()) if carrier == "config.json" else {}
+    (tmp_path / carrier).write_text(json.dumps({**record, "auto_map": auto_map}))
+    monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("prompted the user"))
+    with pytest.raises(ValueError, match=rf"asks to run its own code: .*{carrier} has auto_map "
+                                         r".*never runs code shipped with a model"):
+        models.load(str(tmp_path))
+    assert not marker.exists()
