@@ -505,3 +505,44 @@ def test_a_model_with_its_own_code_is_refused_without_a_prompt(tmp_path, monkeyp
                                          r".*never runs code shipped with a model"):
         models.load(str(tmp_path))
     assert not marker.exists()
+
+
+@pytest.fixture
+def plan_config(tmp_path):
+    """A config file of the tests' tiny Llama, as a plan takes it."""
+    from conftest import TINY
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"model_type": "llama", **TINY}))
+    return str(path)
+
+
+@pytest.mark.parametrize("option", ["--memory-gib", "--disk-gib", "--device-memory-gib",
+                                    "--stats-budget-gib"])
+@pytest.mark.parametrize("value", ["nan", "inf", "1e12", "0", "-4"])
+def test_plan_refuses_limits_that_would_make_anything_fit(plan_config, capsys, option, value):
+    from actwave.tools import plan
+
+    given = {"--memory-gib": "8", "--disk-gib": "10", option: value}
+    args = ["--model", plan_config, *[item for pair in given.items() for item in pair]]
+    assert plan.main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no plan, no "fits"
+    assert f"actwave plan: {option} must be a number of GiB in (0, 1,048,576]" in captured.err
+    assert f"got {float(value)!r}" in captured.err
+
+
+@pytest.mark.parametrize("content, named", [
+    ("step\twall_s\n01_capture\t3\n", "no column 'measure'"),
+    ("benchmark,measure,detail\nx,capture / 1,3.0 vs\n", "no 'batch 16' row"),
+    ("\x89PNG\r\n\x1a\n\xff\xfe\xfd", "not a readable table"),
+])
+def test_plan_names_a_wrong_rates_file_and_the_missing_key(plan_config, tmp_path, capsys,
+                                                            content, named):
+    from actwave.tools import plan
+
+    rates = tmp_path / "rates.csv"
+    rates.write_bytes(content.encode("latin-1"))
+    assert plan.main(["--model", plan_config, "--memory-gib", "8", "--disk-gib", "10",
+                      "--rates", str(rates)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"actwave plan: {rates}: ") and named in err and "Traceback" not in err
