@@ -424,6 +424,24 @@ def test_nan_stops_training_and_nothing_is_saved_complete(target, trained, tmp_p
     assert _equal(_weights(resumed.draft), weights)
 
 
+def test_nan_in_the_eval_store_is_never_marked_complete(target, trained, tmp_path):
+    train_store = trained[0]
+    eval_path = shutil.copytree(train_store.path, tmp_path / "eval")
+    manifest = json.loads((eval_path / "manifest.json").read_text())
+    shard = manifest["shards"][0]  # the eval_sequences=2 scored sequences
+    columns = load_file(eval_path / shard["file"])
+    columns["hidden"] = torch.full_like(columns["hidden"], math.nan)
+    shard.update(store._write_shard(eval_path / shard["file"], columns))  # a valid checksum
+    (eval_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FloatingPointError, match=r"held-out evaluation at step 2: loss_0 = nan "
+                                                 r".*nothing is marked complete"):
+        train_mod.train_draft(train_store, target, train_mod.TrainConfig(**TRAIN),
+                              tmp_path / "run", progress=False,
+                              eval_store=store.CaptureStore(eval_path))
+    assert not (tmp_path / "run" / "config.json").exists()
+    assert not (tmp_path / "run" / "draft").exists()
+
+
 @pytest.mark.parametrize("bad", [dict(grad_clip=math.nan), dict(lr=math.inf), dict(gamma=math.nan),
                                  dict(betas=(0.9, 1.0)), dict(weight_decay=-1.0),
                                  dict(total_steps=6.0), dict(layer_ids=(1, 2.7)),
@@ -432,6 +450,79 @@ def test_nan_stops_training_and_nothing_is_saved_complete(target, trained, tmp_p
 def test_train_config_refuses_bad_numbers(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         train_mod.TrainConfig(**{**TRAIN, **bad})
+
+
+def _stage_configs():
+    """(config class, valid keyword arguments) of every stage config."""
+    from actwave.capture.regenerate import RegenConfig
+    from actwave.decoding.evaluate import EvalConfig
+    from actwave.eagle3.config import Eagle3Config
+    from actwave.stats.selection_report import SelectionConfig
+    from actwave.stats.sensitivity import BootstrapConfig
+    from actwave.study.runs import StudyConfig
+
+    study = dict(model="tiny", seed=0, train_sequences=8, eval_sequences=4, max_seq_len=32,
+                 regen_new_tokens=8, eval_new_tokens=8, capture_batch_size=4,
+                 capture_dtype="float32", train_steps=3, warmup_steps=1, batch_size=2,
+                 ttt_steps=2, lr=1e-3, draft_vocab_size=64, train_dtype="float32",
+                 checkpoint_every=3, depth=2, tree_top_k=3, n_random=6, n_seeds=3,
+                 extra_k="2,4", curve_factor=2)
+    eagle = dict(layer_ids=(1, 2), target_hidden_size=64, hidden_size=64, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                 target_vocab_size=128, draft_vocab_size=64)
+    return {"CaptureConfig": (store.CaptureConfig, {}), "EvalConfig": (EvalConfig, {}),
+            "RegenConfig": (RegenConfig, dict(model="m", n_conversations=2, max_prompt_len=8,
+                                              max_new_tokens=4)),
+            "TrainConfig": (train_mod.TrainConfig, dict(layer_ids=(1, 2))),
+            "Eagle3Config": (Eagle3Config, eagle), "AnalysisConfig": (analysis.AnalysisConfig, {}),
+            "SelectionConfig": (SelectionConfig, {}), "BootstrapConfig": (BootstrapConfig, {}),
+            "StudyConfig": (StudyConfig, study)}
+
+
+@pytest.mark.parametrize("name, bad, message", [
+    ("CaptureConfig", dict(n_sequences=2.5), "n_sequences must be an int, got 2.5"),
+    ("CaptureConfig", dict(n_sequences=True), "n_sequences must be an int, got True"),
+    ("CaptureConfig", dict(seed=1.5), "seed must be an int, got 1.5"),
+    ("CaptureConfig", dict(split="test"), "split='test'; allowed"),
+    ("CaptureConfig", dict(model=None), "model must be a str"),
+    ("EvalConfig", dict(n_bootstrap=0), "n_bootstrap must be >= 1, got 0"),
+    ("EvalConfig", dict(mode="beam"), "mode='beam'; allowed: \\['chain', 'tree'\\]"),
+    ("EvalConfig", dict(peers="yes"), "peers must be True or False"),
+    ("EvalConfig", dict(benchmarks=("mtbench", "gsm8k")), "benchmarks element='gsm8k'"),
+    ("RegenConfig", dict(max_new_tokens=4.0), "max_new_tokens must be an int"),
+    ("RegenConfig", dict(seed=-1), "seed must be >= 0"),
+    ("TrainConfig", dict(lm_head_init="zeros"), "lm_head_init='zeros'; allowed"),
+    ("TrainConfig", dict(eval_sequences=True), "eval_sequences must be an int"),
+    ("Eagle3Config", dict(rms_norm_eps=math.nan), "rms_norm_eps must be a finite number"),
+    ("Eagle3Config", dict(head_dim=16.0), "head_dim must be an int"),
+    ("Eagle3Config", dict(rope_parameters=None), "rope_parameters must be a dict"),
+    ("AnalysisConfig", dict(filter_value=math.inf), "filter_value must be a finite number"),
+    ("AnalysisConfig", dict(max_tokens=1e4), "max_tokens must be an int"),
+    ("SelectionConfig", dict(dpp_theta=0.0), r"dpp_theta must be > 0.0"),
+    ("BootstrapConfig", dict(resolutions=(0.5, math.nan)), "resolutions element must be a finite"),
+    ("StudyConfig", dict(lr=math.nan), "lr must be a finite number"),
+    ("StudyConfig", dict(train_dtype="float16"), "train_dtype='float16'; allowed"),
+])
+def test_stage_configs_refuse_wrong_types_and_ranges(name, bad, message):
+    cls, valid = _stage_configs()[name]
+    cls(**valid)  # the valid arguments pass
+    with pytest.raises(ValueError, match=message):
+        cls(**{**valid, **bad})
+
+
+def test_every_stage_config_is_checked_field_by_field():
+    """Each stage config refuses a float posing as every one of its int fields."""
+    import dataclasses
+    import typing
+
+    for name, (cls, valid) in _stage_configs().items():
+        instance = cls(**valid)
+        hints = typing.get_type_hints(cls)
+        ints = [f.name for f in dataclasses.fields(cls) if hints[f.name] is int]
+        assert ints, name
+        for field in ints:
+            with pytest.raises(ValueError, match=rf"{field} must be an int"):
+                cls(**{**valid, field: getattr(instance, field) + 0.5})
 
 
 # ----------------------------------------------------------------------------- wrong inputs

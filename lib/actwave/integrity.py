@@ -14,11 +14,14 @@
   fails naming the holder's pid, host and the file). The kernel releases the lock when
   its holder dies, so a record left by a dead process or another host is overwritten.
 - **Value guards.** ``int_ids``, ``require_int`` and ``require_real`` refuse bools,
-  floats posing as ints, strings and non-finite numbers with the bad value named.
+  floats posing as ints, strings and non-finite numbers with the bad value named;
+  ``check_fields`` applies them to every field of a stage config by its annotation, with
+  per-field ranges (``Between``) and allowed values.
 """
 from __future__ import annotations
 
 import fcntl
+import dataclasses
 import hashlib
 import json
 import logging
@@ -28,6 +31,10 @@ import operator
 import os
 import socket
 import time
+import types
+import typing
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -186,6 +193,79 @@ def require_real(name: str, value, low: float = -math.inf, high: float = math.in
         interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
         raise ValueError(f"{name} must lie in {interval}, got {value!r}")
     return float(value)
+
+
+@dataclass(frozen=True)
+class Between:
+    """A numeric range for ``check_fields``: [low, high], open ends as flagged, None unbounded."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def check(self, name: str, value) -> None:
+        below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        above = self.high is not None and (value >= self.high if self.high_open
+                                           else value > self.high)
+        if not (below or above):
+            return
+        if self.high is None:
+            raise ValueError(f"{name} must be {'>' if self.low_open else '>='} {self.low}, "
+                             f"got {value!r}")
+        interval = (f"{'(' if self.low_open else '['}{'-inf' if self.low is None else self.low}, "
+                    f"{self.high}{')' if self.high_open else ']'}")
+        raise ValueError(f"{name} must lie in {interval}, got {value!r}")
+
+
+def check_fields(config, ranges: Mapping[str, Between] | None = None,
+                 choices: Mapping[str, Collection] | None = None) -> None:
+    """Refuse a dataclass instance whose fields do not match their annotations.
+
+    int: an int (not a bool, a float such as 2.5 or 2.0, a string); float: a finite real
+    (ints accepted); bool: True or False; str: a string; ``X | None``: None or an X;
+    ``tuple[X, ...]``/``tuple[X, Y]``: a list or tuple of such elements (checked one by
+    one, named ``<field> element``); dict/list: an instance. ``ranges[field]`` bounds a
+    number (or every element), ``choices[field]`` lists the allowed values (of every
+    element). Values are checked, never converted, so config hashes do not change.
+    """
+    hints = typing.get_type_hints(type(config))
+    for spec in dataclasses.fields(config):
+        _check_value(spec.name, getattr(config, spec.name), hints[spec.name],
+                     (ranges or {}).get(spec.name), (choices or {}).get(spec.name))
+
+
+def _check_value(name: str, value, annotation, between: Between | None,
+                 allowed: Collection | None) -> None:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return
+        (annotation,) = [a for a in args if a is not type(None)]  # X | None only
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is tuple:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+            raise ValueError(f"{name} must be a sequence, got {value!r}")
+        element_types = ([args[0]] * len(value) if args[-1:] == (Ellipsis,) else list(args))
+        if len(element_types) != len(value):
+            raise ValueError(f"{name} must hold {len(element_types)} elements, got {value!r}")
+        for element, element_type in zip(value, element_types):
+            _check_value(f"{name} element", element, element_type, between, allowed)
+        return
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    elif annotation is int:
+        require_int(name, value)
+    elif annotation is float:
+        require_real(name, value)
+    elif not isinstance(value, origin or annotation):
+        raise ValueError(f"{name} must be a {getattr(annotation, '__name__', annotation)}, "
+                         f"got {value!r} ({type(value).__name__})")
+    if between is not None:
+        between.check(name, value)
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"{name}={value!r}; allowed: {sorted(allowed)}")
 
 
 def require_finite_tensors(what: str, tensors: dict[str, torch.Tensor]) -> None:
