@@ -2,7 +2,7 @@
 
 Each test breaks one thing the way it breaks in practice (SIGKILL of a real process, a
 flipped byte on disk, two processes on one folder) and checks that nothing wrong is
-cached: the outcomes are the README's "What survives what" table.
+cached: the outcomes are the table of docs/FAULTS.md.
 """
 import errno
 import json

@@ -248,6 +248,22 @@ for (let i = 0; i < cells.length; i++) {
 return found;"""
 
 
+def test_the_browser_test_skips_without_chromium_unless_required():
+    """A fresh machine without Debian's Chromium skips the browser test with its reason;
+    CI (.ci/run) installs the browser and sets ACTWAVE_REQUIRE_BROWSER=1 before the tests,
+    so there it fails rather than skips."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ci.index("export ACTWAVE_REQUIRE_BROWSER=1") < ci.index("./reproduce.sh test")
+    if not MISSING_BROWSER:
+        pytest.skip("Chromium is installed here: the browser test runs")
+    env = {k: v for k, v in os.environ.items() if k != "ACTWAVE_REQUIRE_BROWSER"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                          f"{__file__}::test_jupyterlab_in_chromium_opens_runs_and_shows_the_figure"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "1 skipped" in run.stdout, run.stdout + run.stderr
+    assert "not installed" in run.stdout and "ACTWAVE_REQUIRE_BROWSER=1" in run.stdout
+
+
 @pytest.mark.notebook
 @pytest.mark.skipif(bool(MISSING_BROWSER) and not REQUIRE_BROWSER,
                     reason=f"{MISSING_BROWSER} not installed (`apt-get install -y chromium "
