@@ -459,6 +459,7 @@ def _stage_configs():
     from actwave.eagle3.config import Eagle3Config
     from actwave.stats.selection_report import SelectionConfig
     from actwave.stats.sensitivity import BootstrapConfig
+    from actwave.study.longrun import LongRunConfig
     from actwave.study.runs import StudyConfig
 
     study = dict(model="tiny", seed=0, train_sequences=8, eval_sequences=4, max_seq_len=32,
@@ -476,7 +477,8 @@ def _stage_configs():
             "TrainConfig": (train_mod.TrainConfig, dict(layer_ids=(1, 2))),
             "Eagle3Config": (Eagle3Config, eagle), "AnalysisConfig": (analysis.AnalysisConfig, {}),
             "SelectionConfig": (SelectionConfig, {}), "BootstrapConfig": (BootstrapConfig, {}),
-            "StudyConfig": (StudyConfig, study)}
+            "StudyConfig": (StudyConfig, study),
+            "LongRunConfig": (LongRunConfig, dict(model="tiny"))}
 
 
 @pytest.mark.parametrize("name, bad, message", [
@@ -502,6 +504,8 @@ def _stage_configs():
     ("BootstrapConfig", dict(resolutions=(0.5, math.nan)), "resolutions element must be a finite"),
     ("StudyConfig", dict(lr=math.nan), "lr must be a finite number"),
     ("StudyConfig", dict(train_dtype="float16"), "train_dtype='float16'; allowed"),
+    ("LongRunConfig", dict(multipliers=(1, 4.0)), "multipliers element must be an int"),
+    ("LongRunConfig", dict(decay_fraction=0.0), r"decay_fraction must lie in \(0.0, 1.0\]"),
 ])
 def test_stage_configs_refuse_wrong_types_and_ranges(name, bad, message):
     cls, valid = _stage_configs()[name]
