@@ -538,8 +538,9 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
     (e.g. offline acceptance, ``actwave.decoding.acceptance``) to each checkpoint's eval row.
     One writer per out_dir (``WriterLock``); a finished out_dir trained on another store
     is refused; a finished draft that fails its checksum is rebuilt from the last
-    checkpoint; a non-finite loss or gradient stops the run (FloatingPointError) with the
-    last good checkpoint kept. ``segment``: another schedule, a stop step, a start
+    checkpoint; a non-finite loss or gradient, or a non-finite held-out metric, stops the
+    run (FloatingPointError) with the last good checkpoint kept and nothing marked complete;
+    a checkpoint write that fails leaves no temp folder. ``segment``: another schedule, a stop step, a start
     checkpoint (``Segment``).
     """
     return fit(store, lambda: load_sequences(store, config.layer_ids, config.max_seq_len),
