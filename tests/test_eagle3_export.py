@@ -126,7 +126,8 @@ def our_logits(draft, target_states, input_ids, position_ids):
 
 
 FORMATS = {"speculators": (export_speculators, load_speculators),
-           "sglang": (export_specforge, load_specforge)}
+           "sglang": (export_specforge, load_specforge),
+           "specforge-hf": (export_specforge, load_specforge)}
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
@@ -191,6 +192,29 @@ def test_exports_refuse_what_their_engine_cannot_serve(llama, tmp_path):
     with pytest.raises(ValueError, match="does not read the speculators format"):
         export_speculators(trained_looking_draft(llama), tmp_path, "org/t", engine="sglang<pr25454")
     assert not (tmp_path / "config.json").exists()
+
+
+def test_specforge_hf_export_is_no_server_config(llama, tmp_path):
+    """Its ℓ − 1 ids ((1, 2, 3) -> [0, 1, 2]) would be read by SGLang as other layers:
+    they are never written where a server looks for its config."""
+    draft = trained_looking_draft(llama, (1, 2, 3))
+    export_specforge(draft, tmp_path / "hf", engine="specforge-hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "model.safetensors", "specforge_draft_config.json"]  # no config.json
+    record = json.loads((tmp_path / "hf" / "specforge_draft_config.json").read_text())
+    ids = record["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert ids == [0, 1, 2] and specforge_hf(ids, 4) == (1, 2, 3)
+    assert sglang_current(ids, 4) == (0, 1, 2)  # what SGLang would feed: the wrong layers
+    assert record["actwave"]["read_as_trained_by"] == ["specforge-hf"]
+    assert load_specforge(tmp_path / "hf", llama).layer_ids == (1, 2, 3)
+    export_specforge(trained_looking_draft(llama, (2, 3)), tmp_path / "sglang")
+    with pytest.raises(ValueError, match="already holds config.json of another export format"):
+        export_specforge(draft, tmp_path / "sglang", engine="specforge-hf")
+    with pytest.raises(ValueError, match="already holds specforge_draft_config.json"):
+        export_specforge(trained_looking_draft(llama, (2, 3)), tmp_path / "hf")
+    with pytest.raises(ValueError, match="already holds specforge_draft_config.json"):
+        export_speculators(trained_looking_draft(llama, (2, 3)), tmp_path / "hf", "org/t")
+    assert not (tmp_path / "hf" / "config.json").exists()
 
 
 def test_loading_reads_ids_by_the_recorded_or_current_engine(llama, tmp_path):

@@ -2,14 +2,16 @@
 
 Each test breaks one thing the way it breaks in practice (SIGKILL of a real process, a
 flipped byte on disk, two processes on one folder) and checks that nothing wrong is
-cached: the outcomes are the README's "What survives what" table.
+cached: the outcomes are the table of docs/FAULTS.md.
 """
+import errno
 import json
 import math
 import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import time
 
 import pytest
@@ -25,8 +27,11 @@ from actwave.integrity import IntegrityError, LockedError, WriterLock, bytes_rec
 from actwave.stats import analysis
 
 FORK = multiprocessing.get_context("fork")  # children inherit the tiny models: no re-import
+# The draft vocabulary is the whole target vocabulary: the random target's argmax tokens are
+# not among the few reply tokens, and the loss counts only argmaxes the draft can propose, so
+# a smaller one gives loss 0 at every step and weights that never change.
 TRAIN = dict(layer_ids=(1, 2, 3), ttt_steps=2, total_steps=6, warmup_steps=1, batch_size=2,
-             max_seq_len=40, draft_vocab_size=64, checkpoint_every=2, eval_sequences=2)
+             max_seq_len=40, draft_vocab_size=49152, checkpoint_every=2, eval_sequences=2)
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +124,33 @@ def _equal(a, b):
 
 @pytest.fixture(scope="module")
 def trained(target, reference_store, tmp_path_factory):
-    """A capture store and an uninterrupted training run on it: (store, weights, history)."""
+    """A capture store and an uninterrupted training run on it: (store, weights, history,
+    {checkpoint step: weights})."""
     train_store = reference_store
     out = tmp_path_factory.mktemp("reference")
-    result = train_mod.train_draft(train_store, target, train_mod.TrainConfig(**TRAIN), out,
-                                   progress=False)
-    return train_store, _weights(result.draft), result.history
+    snapshots, real = {}, train_mod.save_checkpoint
+
+    def save_and_keep(out_dir, step, draft, *args):
+        snapshots[step] = _weights(draft)
+        return real(out_dir, step, draft, *args)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train_mod, "save_checkpoint", save_and_keep)
+        result = train_mod.train_draft(train_store, target, train_mod.TrainConfig(**TRAIN), out,
+                                       progress=False)
+    return train_store, _weights(result.draft), result.history, snapshots
+
+
+def test_training_has_a_signal(trained):
+    """Without a loss the resume tests below would compare untouched initial weights."""
+    _, weights, history, snapshots = trained
+    assert all(row["loss"] > 1.0 and row["loss_1"] > 0 for row in history)
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert sorted(snapshots) == [2, 4, 6] and _equal(snapshots[6], weights)
+    floats = [name for name, value in weights.items() if value.is_floating_point()]
+    assert len(floats) > 10
+    for earlier, later in ((2, 4), (4, 6)):
+        assert not [name for name in floats
+                    if torch.equal(snapshots[earlier][name], snapshots[later][name])]
 
 
 # ----------------------------------------------------------------------------- kills
@@ -156,14 +182,48 @@ def _train_killed(train_store, target, out, kill_at_step):
                           progress=False)
 
 
+def _numbers(history):
+    """Per-step losses, agreements, lr and tokens (not the wall-clock seconds)."""
+    return [{k: v for k, v in row.items() if k != "seconds"} for row in history]
+
+
 def test_kill_during_training_resumes_bit_identical(target, trained, tmp_path):
-    train_store, weights, history = trained
+    train_store, weights, history, snapshots = trained
     assert _in_child(_train_killed, train_store, target, tmp_path, 4) == -signal.SIGKILL
     assert not (tmp_path / "config.json").exists()
+    kept = load_file(tmp_path / "checkpoints" / "step-0000004" / "state.safetensors")
+    assert _equal({k.removeprefix("draft."): v for k, v in kept.items()
+                   if k.startswith("draft.")}, snapshots[4])
+    assert not _equal(snapshots[4], weights)  # the resumed steps 5-6 have work to do
     result = train_mod.train_draft(train_store, target, train_mod.TrainConfig(**TRAIN), tmp_path,
                                    progress=False)
     assert _equal(_weights(result.draft), weights)
-    assert [row["loss"] for row in result.history] == [row["loss"] for row in history]
+    assert _numbers(result.history) == _numbers(history)
+
+
+def test_disk_full_during_a_checkpoint_leaves_no_temp_folder(target, trained, tmp_path,
+                                                             monkeypatch):
+    train_store, weights, history, _ = trained
+    config, real = train_mod.TrainConfig(**TRAIN), train_mod.atomic_write_json
+
+    def disk_full_at_step_4(path, obj):
+        if path.parent.name.startswith(".tmp-step-0000004-"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, obj)
+    monkeypatch.setattr(train_mod, "atomic_write_json", disk_full_at_step_4)
+    with pytest.raises(OSError, match="No space left on device"):
+        train_mod.train_draft(train_store, target, config, tmp_path, progress=False)
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-0000002"]
+    # a SIGKILL mid-write runs no cleanup: the next start removes what it left
+    leftover = checkpoints / ".tmp-step-0000004-killed"
+    leftover.mkdir()
+    (leftover / "state.safetensors").write_bytes(b"half a checkpoint")
+    monkeypatch.setattr(train_mod, "atomic_write_json", real)
+    result = train_mod.train_draft(train_store, target, config, tmp_path, progress=False)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-0000006"]
+    assert _equal(_weights(result.draft), weights)
+    assert _numbers(result.history) == _numbers(history)
 
 
 # ----------------------------------------------------------------------------- corruption
@@ -202,7 +262,7 @@ def test_corrupted_layer_stats_are_refused_then_recomputed(reference_store):
 
 
 def test_corrupted_checkpoint_is_refused_and_a_missing_tensor_too(target, trained, tmp_path):
-    train_store, weights, _ = trained
+    train_store, weights, _, _ = trained
     config = train_mod.TrainConfig(**TRAIN)
     assert _in_child(_train_killed, train_store, target, tmp_path, 4) == -signal.SIGKILL
     checkpoint = tmp_path / "checkpoints" / "step-0000004"
@@ -223,7 +283,7 @@ def test_corrupted_checkpoint_is_refused_and_a_missing_tensor_too(target, traine
 
 
 def test_corrupted_draft_is_refused_then_rebuilt_from_its_checkpoint(target, trained, tmp_path):
-    train_store, weights, _ = trained
+    train_store, weights, _, _ = trained
     config = train_mod.TrainConfig(**TRAIN)
     train_mod.train_draft(train_store, target, config, tmp_path, progress=False)
     _flip_byte(tmp_path / "draft" / "model.safetensors")
@@ -262,31 +322,88 @@ def _hold_lock(folder, seconds):
         time.sleep(seconds)
 
 
-def test_lock_names_its_holder_and_stale_locks_are_taken_over(tmp_path):
-    holder = _child(_hold_lock, tmp_path, 3.0)
-    # the lock file is created first and filled right after: wait until it names its holder
-    while not (tmp_path / ".lock").exists() or not (tmp_path / ".lock").read_text():
+def _wait_for_record(path):
+    # the lock is taken first and its record written right after: wait until it names its holder
+    while not path.exists() or not path.read_text():
         time.sleep(0.05)
-    with pytest.raises(LockedError, match=rf"being written by pid {holder.pid} on host"):
+
+
+def test_a_live_holder_is_named_and_a_dead_one_releases_the_lock(tmp_path):
+    holder = _child(_hold_lock, tmp_path, 30.0)
+    _wait_for_record(tmp_path / ".lock")
+    with pytest.raises(LockedError, match=rf"being written by pid {holder.pid} on host "
+                                          rf".*lock file {tmp_path / '.lock'}"):
         WriterLock(tmp_path, timeout=0).__enter__()
-    holder.kill()  # dies holding the lock
+    holder.kill()  # dies holding the lock: the kernel releases it, the record stays
     holder.join()
-    assert (tmp_path / ".lock").exists()
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == holder.pid
     with WriterLock(tmp_path, timeout=0):
         assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+        with pytest.raises(LockedError, match="nested writers"):
+            WriterLock(tmp_path, timeout=0).__enter__()
     assert not (tmp_path / ".lock").exists()
-    (tmp_path / ".lock").write_text("")  # a writer died between creating and filling it
-    with pytest.raises(LockedError):
-        WriterLock(tmp_path, timeout=0).__enter__()  # young: perhaps still being written
-    os.utime(tmp_path / ".lock", (time.time() - 120, time.time() - 120))
+
+
+def test_foreign_records_follow_the_kernel_lock(tmp_path):
+    """The rule (docs/FAULTS.md): a record nobody flocks is overwritten whatever host or
+    pid it names; a held lock blocks whatever its record says, and a timeout names it."""
+    (tmp_path / ".lock").write_text(json.dumps({"pid": os.getpid(), "host": "other-node"}))
+    with WriterLock(tmp_path, timeout=0):  # a reused pid / another host's leftover: taken
+        assert json.loads((tmp_path / ".lock").read_text())["host"] != "other-node"
+    (tmp_path / ".lock").write_text("")  # a writer died between locking and recording
     with WriterLock(tmp_path, timeout=0):
         pass
+    holder = _child(_hold_lock, tmp_path, 30.0)
+    try:
+        _wait_for_record(tmp_path / ".lock")
+        # as a holder on another NFS client would write it: only the record names the host
+        (tmp_path / ".lock").write_text(json.dumps({"pid": 4242, "host": "other-node"}))
+        tic = time.monotonic()
+        with pytest.raises(LockedError, match=r"by pid 4242 on host 'other-node' \(lock file "
+                                              r".*\.lock\); waited 0\.[3-9]"):
+            WriterLock(tmp_path, timeout=0.3, poll=0.05).__enter__()
+        assert time.monotonic() - tic < 5
+    finally:
+        holder.kill()
+        holder.join()
+
+
+def _race(folder, barrier, rounds, log_path):
+    """Per round: meet the other takers, take the round's lock, log enter/exit around a
+    short critical section."""
+    for round_ in range(rounds):
+        barrier.wait()
+        with WriterLock(folder / f"round-{round_:03d}", poll=0.001):
+            with open(log_path, "a") as f:
+                f.write(f"{round_} enter {os.getpid()}\n")
+                f.flush()
+                time.sleep(0.002)  # a window in which a second writer would show
+                f.write(f"{round_} exit {os.getpid()}\n")
+
+
+def test_lock_race_admits_one_writer_at_a_time(tmp_path):
+    """100 rounds of 4 processes released at once onto a lock left by another process
+    (the unlink+create takeover let two in, 2-3 times in 100)."""
+    rounds, takers = 100, 4
+    for round_ in range(rounds):  # a leftover record of a dead writer of this host
+        (tmp_path / f"round-{round_:03d}").mkdir()
+        (tmp_path / f"round-{round_:03d}" / ".lock").write_text(
+            json.dumps({"pid": 999_999_999, "host": socket.gethostname()}))
+    barrier, log_path = FORK.Barrier(takers), tmp_path / "log"
+    processes = [_child(_race, tmp_path, barrier, rounds, log_path) for _ in range(takers)]
+    for process in processes:
+        process.join(300)
+    assert [p.exitcode for p in processes] == [0] * takers
+    lines = log_path.read_text().split("\n")[:-1]
+    assert len(lines) == 2 * rounds * takers
+    for enter, leave in zip(lines[::2], lines[1::2]):  # strictly enter, exit of the same writer
+        assert enter.split()[1] == "enter" and leave == enter.replace("enter", "exit")
 
 
 # ----------------------------------------------------------------------------- NaN
 def test_nan_stops_training_and_nothing_is_saved_complete(target, trained, tmp_path,
                                                          monkeypatch):
-    train_store, weights, _ = trained
+    train_store, weights, _, _ = trained
     config = train_mod.TrainConfig(**TRAIN)
     real, steps = train_mod.make_batch, []
 
@@ -307,6 +424,24 @@ def test_nan_stops_training_and_nothing_is_saved_complete(target, trained, tmp_p
     assert _equal(_weights(resumed.draft), weights)
 
 
+def test_nan_in_the_eval_store_is_never_marked_complete(target, trained, tmp_path):
+    train_store = trained[0]
+    eval_path = shutil.copytree(train_store.path, tmp_path / "eval")
+    manifest = json.loads((eval_path / "manifest.json").read_text())
+    shard = manifest["shards"][0]  # the eval_sequences=2 scored sequences
+    columns = load_file(eval_path / shard["file"])
+    columns["hidden"] = torch.full_like(columns["hidden"], math.nan)
+    shard.update(store._write_shard(eval_path / shard["file"], columns))  # a valid checksum
+    (eval_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FloatingPointError, match=r"held-out evaluation at step 2: loss_0 = nan "
+                                                 r".*nothing is marked complete"):
+        train_mod.train_draft(train_store, target, train_mod.TrainConfig(**TRAIN),
+                              tmp_path / "run", progress=False,
+                              eval_store=store.CaptureStore(eval_path))
+    assert not (tmp_path / "run" / "config.json").exists()
+    assert not (tmp_path / "run" / "draft").exists()
+
+
 @pytest.mark.parametrize("bad", [dict(grad_clip=math.nan), dict(lr=math.inf), dict(gamma=math.nan),
                                  dict(betas=(0.9, 1.0)), dict(weight_decay=-1.0),
                                  dict(total_steps=6.0), dict(layer_ids=(1, 2.7)),
@@ -315,6 +450,83 @@ def test_nan_stops_training_and_nothing_is_saved_complete(target, trained, tmp_p
 def test_train_config_refuses_bad_numbers(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         train_mod.TrainConfig(**{**TRAIN, **bad})
+
+
+def _stage_configs():
+    """(config class, valid keyword arguments) of every stage config."""
+    from actwave.capture.regenerate import RegenConfig
+    from actwave.decoding.evaluate import EvalConfig
+    from actwave.eagle3.config import Eagle3Config
+    from actwave.stats.selection_report import SelectionConfig
+    from actwave.stats.sensitivity import BootstrapConfig
+    from actwave.study.longrun import LongRunConfig
+    from actwave.study.runs import StudyConfig
+
+    study = dict(model="tiny", seed=0, train_sequences=8, eval_sequences=4, max_seq_len=32,
+                 regen_new_tokens=8, eval_new_tokens=8, capture_batch_size=4,
+                 capture_dtype="float32", train_steps=3, warmup_steps=1, batch_size=2,
+                 ttt_steps=2, lr=1e-3, draft_vocab_size=64, train_dtype="float32",
+                 checkpoint_every=3, depth=2, tree_top_k=3, n_random=6, n_seeds=3,
+                 extra_k="2,4", curve_factor=2)
+    eagle = dict(layer_ids=(1, 2), target_hidden_size=64, hidden_size=64, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                 target_vocab_size=128, draft_vocab_size=64)
+    return {"CaptureConfig": (store.CaptureConfig, {}), "EvalConfig": (EvalConfig, {}),
+            "RegenConfig": (RegenConfig, dict(model="m", n_conversations=2, max_prompt_len=8,
+                                              max_new_tokens=4)),
+            "TrainConfig": (train_mod.TrainConfig, dict(layer_ids=(1, 2))),
+            "Eagle3Config": (Eagle3Config, eagle), "AnalysisConfig": (analysis.AnalysisConfig, {}),
+            "SelectionConfig": (SelectionConfig, {}), "BootstrapConfig": (BootstrapConfig, {}),
+            "StudyConfig": (StudyConfig, study),
+            "LongRunConfig": (LongRunConfig, dict(model="tiny"))}
+
+
+@pytest.mark.parametrize("name, bad, message", [
+    ("CaptureConfig", dict(n_sequences=2.5), "n_sequences must be an int, got 2.5"),
+    ("CaptureConfig", dict(n_sequences=True), "n_sequences must be an int, got True"),
+    ("CaptureConfig", dict(seed=1.5), "seed must be an int, got 1.5"),
+    ("CaptureConfig", dict(split="test"), "split='test'; allowed"),
+    ("CaptureConfig", dict(model=None), "model must be a str"),
+    ("EvalConfig", dict(n_bootstrap=0), "n_bootstrap must be >= 1, got 0"),
+    ("EvalConfig", dict(mode="beam"), "mode='beam'; allowed: \\['chain', 'tree'\\]"),
+    ("EvalConfig", dict(peers="yes"), "peers must be True or False"),
+    ("EvalConfig", dict(benchmarks=("mtbench", "gsm8k")), "benchmarks element='gsm8k'"),
+    ("RegenConfig", dict(max_new_tokens=4.0), "max_new_tokens must be an int"),
+    ("RegenConfig", dict(seed=-1), "seed must be >= 0"),
+    ("TrainConfig", dict(lm_head_init="zeros"), "lm_head_init='zeros'; allowed"),
+    ("TrainConfig", dict(eval_sequences=True), "eval_sequences must be an int"),
+    ("Eagle3Config", dict(rms_norm_eps=math.nan), "rms_norm_eps must be a finite number"),
+    ("Eagle3Config", dict(head_dim=16.0), "head_dim must be an int"),
+    ("Eagle3Config", dict(rope_parameters=None), "rope_parameters must be a dict"),
+    ("AnalysisConfig", dict(filter_value=math.inf), "filter_value must be a finite number"),
+    ("AnalysisConfig", dict(max_tokens=1e4), "max_tokens must be an int"),
+    ("SelectionConfig", dict(dpp_theta=0.0), r"dpp_theta must be > 0.0"),
+    ("BootstrapConfig", dict(resolutions=(0.5, math.nan)), "resolutions element must be a finite"),
+    ("StudyConfig", dict(lr=math.nan), "lr must be a finite number"),
+    ("StudyConfig", dict(train_dtype="float16"), "train_dtype='float16'; allowed"),
+    ("LongRunConfig", dict(multipliers=(1, 4.0)), "multipliers element must be an int"),
+    ("LongRunConfig", dict(decay_fraction=0.0), r"decay_fraction must lie in \(0.0, 1.0\]"),
+])
+def test_stage_configs_refuse_wrong_types_and_ranges(name, bad, message):
+    cls, valid = _stage_configs()[name]
+    cls(**valid)  # the valid arguments pass
+    with pytest.raises(ValueError, match=message):
+        cls(**{**valid, **bad})
+
+
+def test_every_stage_config_is_checked_field_by_field():
+    """Each stage config refuses a float posing as every one of its int fields."""
+    import dataclasses
+    import typing
+
+    for name, (cls, valid) in _stage_configs().items():
+        instance = cls(**valid)
+        hints = typing.get_type_hints(cls)
+        ints = [f.name for f in dataclasses.fields(cls) if hints[f.name] is int]
+        assert ints, name
+        for field in ints:
+            with pytest.raises(ValueError, match=rf"{field} must be an int"):
+                cls(**{**valid, field: getattr(instance, field) + 0.5})
 
 
 # ----------------------------------------------------------------------------- wrong inputs
@@ -341,7 +553,7 @@ def _config_kept(seed):
 
 
 def test_finished_draft_from_another_store_is_refused(target, trained, tmp_path):
-    train_store, _, _ = trained
+    train_store, _, _, _ = trained
     config = train_mod.TrainConfig(**TRAIN)
     train_mod.train_draft(train_store, target, config, tmp_path / "run", progress=False)
     other = shutil.copytree(train_store.path, tmp_path / "other")
@@ -369,16 +581,63 @@ def test_drafts_and_stores_refuse_layer_ids_that_are_not_ints(target, reference_
         next(reference_store.iter_shards(layers=layers))
 
 
-def test_a_killed_but_unreaped_holder_is_dead():
-    """A lock held by a killed process its parent has not reaped (a zombie) is stale."""
-    import subprocess
-    import time
+@pytest.mark.parametrize("carrier", ["config.json", "tokenizer_config.json"])
+def test_a_model_with_its_own_code_is_refused_without_a_prompt(tmp_path, monkeypatch, carrier):
+    from transformers import LlamaConfig
 
-    from actwave.integrity import _alive
+    from actwave.capture import models
 
-    child = subprocess.Popen(["sleep", "30"])
-    assert _alive(child.pid)
-    child.kill()
-    time.sleep(0.2)  # killed, not yet waited for: a zombie
-    assert not _alive(child.pid)
-    child.wait()
+    LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=128).save_pretrained(tmp_path)
+    marker = tmp_path / "ran"
+    (tmp_path / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    auto_map = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM",
+                "AutoConfig": "modeling_evil.EvilConfig"}
+    record = json.loads((tmp_path / carrier).read_text()) if carrier == "config.json" else {}
+    (tmp_path / carrier).write_text(json.dumps({**record, "auto_map": auto_map}))
+    monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("prompted the user"))
+    with pytest.raises(ValueError, match=rf"asks to run its own code: .*{carrier} has auto_map "
+                                         r".*never runs code shipped with a model"):
+        models.load(str(tmp_path))
+    assert not marker.exists()
+
+
+@pytest.fixture
+def plan_config(tmp_path):
+    """A config file of the tests' tiny Llama, as a plan takes it."""
+    from conftest import TINY
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"model_type": "llama", **TINY}))
+    return str(path)
+
+
+@pytest.mark.parametrize("option", ["--memory-gib", "--disk-gib", "--device-memory-gib",
+                                    "--stats-budget-gib"])
+@pytest.mark.parametrize("value", ["nan", "inf", "1e12", "0", "-4"])
+def test_plan_refuses_limits_that_would_make_anything_fit(plan_config, capsys, option, value):
+    from actwave.tools import plan
+
+    given = {"--memory-gib": "8", "--disk-gib": "10", option: value}
+    args = ["--model", plan_config, *[item for pair in given.items() for item in pair]]
+    assert plan.main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no plan, no "fits"
+    assert f"actwave plan: {option} must be a number of GiB in (0, 1,048,576]" in captured.err
+    assert f"got {float(value)!r}" in captured.err
+
+
+@pytest.mark.parametrize("content, named", [
+    ("step\twall_s\n01_capture\t3\n", "no column 'measure'"),
+    ("benchmark,measure,detail\nx,capture / 1,3.0 vs\n", "no 'batch 16' row"),
+    ("\x89PNG\r\n\x1a\n\xff\xfe\xfd", "not a readable table"),
+])
+def test_plan_names_a_wrong_rates_file_and_the_missing_key(plan_config, tmp_path, capsys,
+                                                            content, named):
+    from actwave.tools import plan
+
+    rates = tmp_path / "rates.csv"
+    rates.write_bytes(content.encode("latin-1"))
+    assert plan.main(["--model", plan_config, "--memory-gib", "8", "--disk-gib", "10",
+                      "--rates", str(rates)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"actwave plan: {rates}: ") and named in err and "Traceback" not in err

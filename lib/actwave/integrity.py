@@ -9,14 +9,19 @@
 - **Fingerprints.** ``model_fingerprint`` names a target by its name, class, config,
   parameter shapes, weights and dtype, so an artifact refuses a model it was not made
   with.
-- **One writer at a time.** ``WriterLock`` holds ``<artifact folder>/.lock`` (pid + host)
-  while a producer writes; a second writer waits (or fails with the holder's pid and
-  host), and a lock left by a dead process on this host is taken over.
+- **One writer at a time.** ``WriterLock`` ``flock``s ``<artifact folder>/.lock`` (with a
+  pid + host record for messages) while a producer writes; a second writer waits (or
+  fails naming the holder's pid, host and the file). The kernel releases the lock when
+  its holder dies, so a record left by a dead process or another host is overwritten.
 - **Value guards.** ``int_ids``, ``require_int`` and ``require_real`` refuse bools,
-  floats posing as ints, strings and non-finite numbers with the bad value named.
+  floats posing as ints, strings and non-finite numbers with the bad value named;
+  ``check_fields`` applies them to every field of a stage config by its annotation, with
+  per-field ranges (``Between``) and allowed values.
 """
 from __future__ import annotations
 
+import fcntl
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,6 +31,10 @@ import operator
 import os
 import socket
 import time
+import types
+import typing
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -186,6 +195,79 @@ def require_real(name: str, value, low: float = -math.inf, high: float = math.in
     return float(value)
 
 
+@dataclass(frozen=True)
+class Between:
+    """A numeric range for ``check_fields``: [low, high], open ends as flagged, None unbounded."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def check(self, name: str, value) -> None:
+        below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        above = self.high is not None and (value >= self.high if self.high_open
+                                           else value > self.high)
+        if not (below or above):
+            return
+        if self.high is None:
+            raise ValueError(f"{name} must be {'>' if self.low_open else '>='} {self.low}, "
+                             f"got {value!r}")
+        interval = (f"{'(' if self.low_open else '['}{'-inf' if self.low is None else self.low}, "
+                    f"{self.high}{')' if self.high_open else ']'}")
+        raise ValueError(f"{name} must lie in {interval}, got {value!r}")
+
+
+def check_fields(config, ranges: Mapping[str, Between] | None = None,
+                 choices: Mapping[str, Collection] | None = None) -> None:
+    """Refuse a dataclass instance whose fields do not match their annotations.
+
+    int: an int (not a bool, a float such as 2.5 or 2.0, a string); float: a finite real
+    (ints accepted); bool: True or False; str: a string; ``X | None``: None or an X;
+    ``tuple[X, ...]``/``tuple[X, Y]``: a list or tuple of such elements (checked one by
+    one, named ``<field> element``); dict/list: an instance. ``ranges[field]`` bounds a
+    number (or every element), ``choices[field]`` lists the allowed values (of every
+    element). Values are checked, never converted, so config hashes do not change.
+    """
+    hints = typing.get_type_hints(type(config))
+    for spec in dataclasses.fields(config):
+        _check_value(spec.name, getattr(config, spec.name), hints[spec.name],
+                     (ranges or {}).get(spec.name), (choices or {}).get(spec.name))
+
+
+def _check_value(name: str, value, annotation, between: Between | None,
+                 allowed: Collection | None) -> None:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return
+        (annotation,) = [a for a in args if a is not type(None)]  # X | None only
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is tuple:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+            raise ValueError(f"{name} must be a sequence, got {value!r}")
+        element_types = ([args[0]] * len(value) if args[-1:] == (Ellipsis,) else list(args))
+        if len(element_types) != len(value):
+            raise ValueError(f"{name} must hold {len(element_types)} elements, got {value!r}")
+        for element, element_type in zip(value, element_types):
+            _check_value(f"{name} element", element, element_type, between, allowed)
+        return
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    elif annotation is int:
+        require_int(name, value)
+    elif annotation is float:
+        require_real(name, value)
+    elif not isinstance(value, origin or annotation):
+        raise ValueError(f"{name} must be a {getattr(annotation, '__name__', annotation)}, "
+                         f"got {value!r} ({type(value).__name__})")
+    if between is not None:
+        between.check(name, value)
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"{name}={value!r}; allowed: {sorted(allowed)}")
+
+
 def require_finite_tensors(what: str, tensors: dict[str, torch.Tensor]) -> None:
     """Refuse if any floating tensor holds NaN/inf, naming the first such tensor."""
     for name, tensor in tensors.items():
@@ -195,93 +277,98 @@ def require_finite_tensors(what: str, tensors: dict[str, torch.Tensor]) -> None:
 
 # ----------------------------------------------------------------------------- locks
 def _holder(path: Path) -> dict:
+    """The pid/host record in a lock file ({} while its holder is writing it, or none)."""
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        return {}  # being written by its holder, or already released
+        return {}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return not _zombie(pid)
-
-
-def _zombie(pid: int) -> bool:
-    """A killed process its parent has not reaped yet: dead, though ``kill(pid, 0)`` works."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False  # no procfs (macOS): trust kill()
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+def _describe(holder: dict) -> str:
+    return (f"pid {holder.get('pid')} on host {holder.get('host')!r}" if holder
+            else "a writer that has not recorded its pid yet")
 
 
 class LockedError(RuntimeError):
     """Another live writer holds an artifact folder's lock."""
 
 
-class WriterLock:
-    """Exclusive writer lock on an artifact folder: ``<folder>/.lock`` holding pid + host.
+# (pid, lock path) of the locks this process holds: a nested taker would wait on itself.
+_held: set[tuple[int, str]] = set()
 
-    ``timeout``: seconds to wait for another writer (None: wait as long as it lives,
-    logging every minute; 0: fail at once). A lock whose holder on this host is dead is
-    stale and taken over; a holder on another host cannot be checked and is waited for.
+
+class WriterLock:
+    """Exclusive writer lock on an artifact folder: ``flock`` on ``<folder>/.lock``.
+
+    The rule: the kernel's lock is the truth, the file's pid/host record only names the
+    holder in messages. The lock file stays open (and ``flock``-ed) for the lock's
+    lifetime; the kernel releases it when its process exits or is killed, so there is no
+    staleness to guess and no takeover race: a record left by a dead process, a reused
+    pid or another host, whose file nobody locks, is simply overwritten. A lock held by
+    a live process anywhere that shares this filesystem's locks (local disks; NFS via its
+    lock manager) blocks.
+
+    ``timeout``: seconds to wait for a live holder (None: as long as it holds, logging the
+    holder every minute; 0: fail at once) before ``LockedError`` names the holder's pid,
+    host and the lock file. ``poll``: seconds between attempts.
     """
 
     def __init__(self, folder: Path | str, timeout: float | None = None, poll: float = 0.2):
         self.path = Path(folder) / LOCK_NAME
         self.timeout, self.poll = timeout, poll
+        self._fd: int | None = None
 
     def _try_acquire(self) -> bool:
+        """flock the lock file without blocking; True once this process holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
             return False
-        with os.fdopen(fd, "w") as f:
-            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}, f)
+        try:
+            same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # locked a file its previous holder unlinked on release: try the new one
+            os.close(fd)
+            return False
+        previous = _holder(self.path)
+        if previous:
+            log.info("%s: taking the lock; the last holder (%s) no longer holds it", self.path,
+                     _describe(previous))
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "since": time.time()}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, record, 0)
+        self._fd = fd
         return True
-
-    def _stale(self, holder: dict) -> bool:
-        """Held by a dead process of this host, or left empty (its writer died between
-        creating and filling it) for over a minute."""
-        if not holder:
-            try:
-                return time.time() - self.path.stat().st_mtime > 60
-            except FileNotFoundError:
-                return False
-        return (holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int)
-                and not _alive(holder["pid"]))
 
     def __enter__(self) -> "WriterLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        start, logged = time.monotonic(), 0.0
+        key = (os.getpid(), str(self.path.resolve()))
+        if key in _held:
+            raise LockedError(f"{self.path} is already held by this process (pid "
+                              f"{os.getpid()}): nested writers of one artifact")
+        start, logged = time.monotonic(), -math.inf
         while not self._try_acquire():
-            holder = _holder(self.path)
-            if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-                raise LockedError(f"{self.path} is already held by this process (pid "
-                                  f"{os.getpid()}): nested writers of one artifact")
-            if self._stale(holder):
-                if _holder(self.path) == holder:  # not replaced by a live writer meanwhile
-                    log.warning("removing stale lock %s (%s)", self.path, holder or "empty")
-                    self.path.unlink(missing_ok=True)
-                continue
             waited = time.monotonic() - start
             if self.timeout is not None and waited >= self.timeout:
-                who = (f"pid {holder.get('pid')} on host {holder.get('host')!r}" if holder
-                       else "a writer that has not recorded its pid yet")
                 raise LockedError(
-                    f"{self.path.parent} is being written by {who}; wait for it to finish (or, "
-                    f"if that process no longer runs, delete {self.path})")
+                    f"{self.path.parent} is being written by {_describe(_holder(self.path))} "
+                    f"(lock file {self.path}); waited {waited:.1f} s. Wait for it to finish; "
+                    "the lock is released when that process ends")
             if waited - logged >= 60:
-                log.info("waiting for %s (held by pid %s on %s)", self.path, holder.get("pid"),
-                         holder.get("host"))
+                log.warning("waiting for %s, held by %s", self.path, _describe(_holder(self.path)))
                 logged = waited
             time.sleep(self.poll)
+        _held.add(key)
         return self
 
     def __exit__(self, *exc) -> None:
+        # Unlink while still holding: a waiter that opened this file sees, once it gets the
+        # lock, that the path is gone (or another file) and retries on the current one.
         self.path.unlink(missing_ok=True)
+        _held.discard((os.getpid(), str(self.path.resolve())))
+        os.close(self._fd)
+        self._fd = None

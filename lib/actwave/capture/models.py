@@ -134,9 +134,10 @@ def _cached_bundled_dir(entry: BundledModel) -> Path:
         return out
     gguf_path = entry.locate()
     log.info("dequantising %s (one-off, 20-80 s)", gguf_path.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                              trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                 dtype=torch.float32)
+                                                 dtype=torch.float32, trust_remote_code=False)
     if entry.chat_template is not None:
         tokenizer.chat_template = entry.chat_template
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -228,22 +229,53 @@ def _require_causal_lm(model: PreTrainedModel, name: str) -> None:
                          "actwave needs a *ForCausalLM model")
 
 
+# Files whose "auto_map" makes transformers import Python shipped with the model.
+CUSTOM_CODE_FILES = ("config.json", "tokenizer_config.json")
+
+
+def refuse_custom_code(source: str | Path, name: str) -> None:
+    """Raise ValueError when ``source`` (a folder or HF id) asks for its own Python code.
+
+    A config or tokenizer config with ``auto_map`` names classes in ``.py`` files of the
+    model; transformers runs them after a y/N prompt (or at once with trust_remote_code).
+    actwave loads only architectures built into transformers, so such a model is refused
+    before any ``from_pretrained`` call, with no prompt.
+    """
+    from transformers.utils import cached_file
+
+    for filename in CUSTOM_CODE_FILES:
+        path = cached_file(str(source), filename, _raise_exceptions_for_missing_entries=False)
+        if path is None:
+            continue
+        try:
+            record = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"model {name!r}: cannot read {path} ({err})") from err
+        if isinstance(record, dict) and record.get("auto_map"):
+            raise ValueError(
+                f"model {name!r} asks to run its own code: {path} has auto_map "
+                f"{record['auto_map']}; actwave never runs code shipped with a model "
+                "(trust_remote_code=False). Use a model whose architecture transformers "
+                "provides, or remove auto_map if the architecture is built in")
+
+
 def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu"):
     """Load a target model and tokenizer -> (model in eval mode, tokenizer).
 
     ``name_or_path``: a registry name (``smollm2-135m``, ``gemma3-270m``), a local folder,
     or a Hugging Face id (read from the local HF cache; the hub is never contacted when
-    ``HF_HUB_OFFLINE=1``).
+    ``HF_HUB_OFFLINE=1``). A model that ships its own code (``auto_map``) is refused.
     """
     name = resolve(name_or_path)
     source = _cached_bundled_dir(REGISTRY[name]) if name in REGISTRY else name
-    config = AutoConfig.from_pretrained(source)
+    refuse_custom_code(source, name)
+    config = AutoConfig.from_pretrained(source, trust_remote_code=False)
     if config.architectures and not any(a.endswith("ForCausalLM") for a in config.architectures):
         raise ValueError(f"model {name!r} declares architectures {config.architectures}; "
                          "actwave needs a *ForCausalLM model")
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=False)
     _require_causal_lm(model, name)
     model.name_or_path = name
     return model.to(device).eval(), tokenizer

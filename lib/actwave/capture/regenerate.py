@@ -39,8 +39,8 @@ from actwave.capture import data as data_mod
 from actwave.capture.models import DTYPES, load, model_digest, slug, stop_token_ids
 from actwave.config import (artifact_dir, atomic_write_bytes, atomic_write_json, config_hash,
                             package_versions, save_config, to_jsonable)
-from actwave.integrity import (IntegrityError, WriterLock, bytes_record, fingerprint_mismatch,
-                               model_fingerprint, read_json, verify_once)
+from actwave.integrity import (Between, IntegrityError, WriterLock, bytes_record, check_fields,
+                               fingerprint_mismatch, model_fingerprint, read_json, verify_once)
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +61,12 @@ class RegenConfig:
     seed: int = 0                      # provenance only: greedy decoding draws no random numbers
 
     def __post_init__(self):
-        if not isinstance(self.model, str) or not self.model:
+        check_fields(self, {name: Between(1) for name in (
+            "n_conversations", "max_prompt_len", "max_new_tokens", "batch_size", "turns",
+            "batches_per_chunk")} | {"seed": Between(0)},
+            {"dtype": DTYPES, "split": data_mod.SPLITS})
+        if not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}; allowed: {sorted(DTYPES)}")
-        if self.split not in data_mod.SPLITS:
-            raise ValueError(f"split={self.split!r}; allowed: {sorted(data_mod.SPLITS)}")
-        for name in ("n_conversations", "max_prompt_len", "max_new_tokens", "batch_size",
-                     "turns", "batches_per_chunk"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
     @property
     def chunk_size(self) -> int:

@@ -47,9 +47,9 @@ from actwave.capture.models import DTYPES, load, num_layers, slug
 from actwave.capture.regenerate import RegenConfig, regenerate
 from actwave.config import (artifact_dir, atomic_write_bytes, atomic_write_json, config_hash,
                             package_versions, to_jsonable)
-from actwave.integrity import (IntegrityError, WriterLock, bytes_record, check_size,
-                               fingerprint_mismatch, int_ids, model_dtype, model_fingerprint,
-                               read_json, verify_file, verify_once)
+from actwave.integrity import (Between, IntegrityError, WriterLock, bytes_record, check_fields,
+                               check_size, fingerprint_mismatch, int_ids, model_dtype,
+                               model_fingerprint, read_json, verify_file, verify_once)
 
 log = logging.getLogger(__name__)
 SOURCES = ("sharegpt", "regenerated")
@@ -73,17 +73,15 @@ class CaptureConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.source not in SOURCES:
-            raise ValueError(f"source={self.source!r}; allowed: {list(SOURCES)}")
+        # Strict types first: n_sequences=2.5 once slipped through as "the whole split".
+        check_fields(self, {name: Between(1) for name in (
+            "n_sequences", "max_seq_len", "batch_size", "sequences_per_shard",
+            "regen_new_tokens")} | {"seed": Between(0)},
+            {"source": SOURCES, "dtype": DTYPES, "storage_dtype": DTYPES,
+             "split": data_mod.SPLITS})
         if self.source == "regenerated" and not 0 < self.regen_new_tokens < self.max_seq_len:
             raise ValueError(f"regen_new_tokens={self.regen_new_tokens} must lie in "
                              f"1..max_seq_len-1={self.max_seq_len - 1}")
-        for name in ("dtype", "storage_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name}={getattr(self, name)!r}; allowed: {sorted(DTYPES)}")
-        for name in ("n_sequences", "max_seq_len", "batch_size", "sequences_per_shard"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 def analysis_captures(model_names, **capture: object) -> dict[str, CaptureConfig]:

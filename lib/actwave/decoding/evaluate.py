@@ -29,13 +29,15 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from actwave.capture import data
+from actwave.capture.models import DTYPES
 from actwave.config import (atomic_write_json, cache_dir, config_hash, package_versions,
                             to_jsonable)
 from actwave.decoding.report import GREEDY, acceptance_by_position, summarize
 from actwave.decoding.speculative import generate, greedy_generate
 from actwave.decoding.timing import synchronize
-from actwave.decoding.tree import TreeShape
+from actwave.decoding.tree import MODES, TreeShape
 from actwave.eagle3 import Eagle3Draft
+from actwave.integrity import Between, check_fields
 
 log = logging.getLogger(__name__)
 BENCHMARKS = ("mtbench", "humaneval", "sharegpt")
@@ -62,13 +64,14 @@ class EvalConfig:
     seed: int = 0
 
     def __post_init__(self):
+        # Checked before any prompt runs: n_bootstrap=0 once crashed after all of them.
+        check_fields(self, {name: Between(1) for name in (
+            "n_prompts", "max_turns", "max_new_tokens", "max_prompt_tokens", "depth", "top_k",
+            "total_tokens", "prompt_lookup_tokens", "n_bootstrap")} | {"seed": Between(0)},
+            {"dtype": DTYPES, "mode": MODES, "benchmarks": BENCHMARKS})
         self.benchmarks = tuple(self.benchmarks)
-        unknown = [b for b in self.benchmarks if b not in BENCHMARKS]
-        if unknown or not self.benchmarks:
-            raise ValueError(f"benchmarks {list(self.benchmarks)} invalid; choose from {BENCHMARKS}")
-        if min(self.n_prompts, self.max_new_tokens, self.max_turns) < 1:
-            raise ValueError(f"n_prompts, max_new_tokens and max_turns must be >= 1, got "
-                             f"{self.n_prompts}, {self.max_new_tokens}, {self.max_turns}")
+        if not self.benchmarks:
+            raise ValueError(f"benchmarks must name at least one of {BENCHMARKS}, got ()")
 
 
 # ----------------------------------------------------------------------------- prompts

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from actwave.capture.forward import validate_layers
-from actwave.integrity import int_ids
+from actwave.integrity import Between, check_fields, int_ids
 
 
 @dataclass
@@ -38,6 +38,12 @@ class Eagle3Config:
     target_num_layers: int = 0        # N of the target (0 = unknown)
 
     def __post_init__(self):
+        check_fields(self, {name: Between(1) for name in (
+            "target_hidden_size", "hidden_size", "intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings")} | {
+            "layer_ids": Between(0), "target_vocab_size": Between(0),
+            "draft_vocab_size": Between(0), "target_num_layers": Between(0),
+            "rms_norm_eps": Between(0.0, low_open=True)})
         self.layer_ids = int_ids("layer_ids", self.layer_ids)
         if not self.layer_ids:
             raise ValueError("layer_ids must name at least one target layer, got ()")

@@ -1,6 +1,6 @@
 """Export EAGLE-3 drafts to the formats vLLM and SGLang serve, and load them back.
 
-Two formats, both ``config.json`` + ``model.safetensors`` (no pickles):
+Three formats, each a config JSON + ``model.safetensors`` (no pickles):
 
 - vLLM ``speculators`` (v0.9 layout): ``speculators_model_type: "eagle3"``, a Llama
   ``transformer_layer_config`` for the single draft layer, weights ``fc.*``,
@@ -8,6 +8,10 @@ Two formats, both ``config.json`` + ``model.safetensors`` (no pickles):
 - SGLang / SpecForge: a ``LlamaForCausalLMEagle3`` config with
   ``eagle_config.eagle_aux_hidden_state_layer_ids`` and SafeAILab weight names
   (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``).
+- SpecForge HF backend (``specforge-hf``): the SGLang/SpecForge record, but in
+  ``specforge_draft_config.json`` (SpecForge's ``--draft-model-config``), never in
+  ``config.json``: its ids are ℓ − 1 (0-based block outputs), which SGLang and vLLM would
+  read as other layers, so no server ever picks the file up as its config.
 
 Which physical layers an engine feeds the draft depends on how *that engine version*
 reads ``eagle_aux_hidden_state_layer_ids`` (``ENGINES``; each rule, its source and the
@@ -71,10 +75,23 @@ def _layer_config(config: Eagle3Config) -> dict:
     }
 
 
-def _write(out_dir, record: dict, tensors: dict[str, torch.Tensor]) -> Path:
+SPECFORGE_HF_CONFIG = "specforge_draft_config.json"
+# The config file of each format: vLLM and SGLang load a draft folder's config.json only.
+CONFIG_FILES = {"speculators": "config.json", "sglang": "config.json",
+                "specforge-hf": SPECFORGE_HF_CONFIG}
+
+
+def _write(out_dir, record: dict, tensors: dict[str, torch.Tensor], fmt: str) -> Path:
+    """``model.safetensors`` + the format's config file; refuses a folder holding another
+    format's config file (a server would load the folder with that file's ids)."""
     out_dir = Path(out_dir)
+    name = CONFIG_FILES[fmt]
+    others = sorted(n for n in set(CONFIG_FILES.values()) - {name} if (out_dir / n).exists())
+    if others:
+        raise ValueError(f"{out_dir} already holds {others[0]} of another export format; "
+                         f"write the {fmt} export to another folder (or delete that file)")
     save_tensors(out_dir / WEIGHTS_NAME, tensors)
-    atomic_write_json(out_dir / "config.json", record)
+    atomic_write_json(out_dir / name, record)
     return out_dir
 
 
@@ -117,7 +134,7 @@ def export_speculators(draft: Eagle3Draft, out_dir, target_name_or_path: str,
     }
     tensors = {_rename(name, OUR_LAYER_PREFIX, SPECULATORS_LAYER_PREFIX): tensor
                for name, tensor in draft.trainable_state_dict().items()}
-    return _write(out_dir, record, tensors)
+    return _write(out_dir, record, tensors, "speculators")
 
 
 @dataclass(frozen=True)
@@ -160,7 +177,7 @@ ENGINES: dict[str, Engine] = {engine.name: engine for engine in (
     Engine("sglang<pr25454", "sglang",
            "+1 to every id; captures the input of block id+1 (blocks 0..N-1; ids ≥ 0)",
            SGLANG_RULE_SOURCE, offset=1, lowest=1, highest=1),
-    Engine("specforge-hf", "sglang",
+    Engine("specforge-hf", "specforge-hf",
            "SpecForge HF target backend: hooks the output of 0-based block id, exactly 3 ids",
            "sgl-project/SpecForge specforge/modeling/target/eagle3_target_model.py",
            offset=1, lowest=1, highest=0, max_k=3,
@@ -273,10 +290,16 @@ def export_specforge(draft: Eagle3Draft, out_dir, target_name_or_path: str = "",
                      engine: str = "sglang>=pr25454") -> Path:
     """Write ``draft`` as an SGLang/SpecForge ``LlamaForCausalLMEagle3`` checkpoint.
 
-    engine: an ``sglang``-format key of ``ENGINES``; the ids are those it reads as the
-    draft's layers (ValueError naming the reason if it cannot express them).
+    engine: an ``sglang``-format key of ``ENGINES`` (written as ``config.json``), or
+    ``specforge-hf`` (written as ``specforge_draft_config.json``, which no server loads:
+    its ℓ − 1 ids would be read as other layers there). The ids are those the engine reads
+    as the draft's layers (ValueError naming the reason if it cannot express them).
     """
-    ids = _checked_ids(draft, engine, "sglang")
+    fmt = _engine(engine).fmt
+    if fmt not in ("sglang", "specforge-hf"):
+        raise ValueError(f"engine {engine!r} does not read the SGLang/SpecForge format; use "
+                         f"one of {[n for n, r in ENGINES.items() if r.fmt != 'speculators']}")
+    ids = _checked_ids(draft, engine, fmt)
     config = draft.config
     record = {
         **_layer_config(config),
@@ -285,10 +308,10 @@ def export_specforge(draft: Eagle3Draft, out_dir, target_name_or_path: str = "",
         "target_hidden_size": config.target_hidden_size,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
         "torch_dtype": _dtype_name(draft),
-        "actwave": {**_engine_block(draft, engine, ids, "sglang"),
+        "actwave": {**_engine_block(draft, engine, ids, fmt),
                     "target_name_or_path": str(target_name_or_path or config.target_model)},
     }
-    return _write(out_dir, record, draft.trainable_state_dict())
+    return _write(out_dir, record, draft.trainable_state_dict(), fmt)
 
 
 def _rename(name: str, old_prefix: str, new_prefix: str) -> str:
@@ -343,9 +366,9 @@ def _read_ids(record: dict, ids, target: nn.Module, engine: str | None,
     return engine_reads(engine, ids, num_layers)
 
 
-def _read_config(directory) -> tuple[Path, dict]:
+def _read_config(directory, name: str = "config.json") -> tuple[Path, dict]:
     directory = Path(directory)
-    return directory, json.loads((directory / "config.json").read_text())
+    return directory, json.loads((directory / name).read_text())
 
 
 def load_speculators(directory, target: nn.Module, engine: str | None = None) -> Eagle3Draft:
@@ -380,11 +403,15 @@ def load_specforge(directory, target: nn.Module, engine: str | None = None) -> E
 
     The ids are read by ``engine``'s rule: default the engine the export recorded (an
     older actwave export without one wrote ℓ − 1 for ``sglang<pr25454``), else the
-    current SGLang's — the layers a server of today would feed the draft.
+    current SGLang's — the layers a server of today would feed the draft. A folder with
+    ``specforge_draft_config.json`` and no ``config.json`` is a ``specforge-hf`` export.
     """
-    directory, record = _read_config(directory)
+    hf_only = (Path(directory) / SPECFORGE_HF_CONFIG).exists() and \
+        not (Path(directory) / "config.json").exists()
+    directory, record = _read_config(directory, SPECFORGE_HF_CONFIG if hf_only else "config.json")
     explicit_ids = record.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
-    legacy = "sglang<pr25454" if "actwave" in record else "sglang>=pr25454"
+    legacy = ("specforge-hf" if hf_only else
+              "sglang<pr25454" if "actwave" in record else "sglang>=pr25454")
     layer_ids = (_read_ids(record, explicit_ids, target, engine, legacy) if explicit_ids
                  else _default_layer_ids(target))
     target_model = record.get("actwave", {}).get("eagle3_config", {}).get("target_model", "")

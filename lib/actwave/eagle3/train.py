@@ -46,12 +46,13 @@ from actwave.config import atomic_write_bytes, atomic_write_json, config_hash, s
 from actwave.eagle3.model import Eagle3Draft
 from actwave.eagle3.ttt import TTTLoss, TTTOutput
 from actwave.eagle3.vocab import draft_target_ids, token_frequencies
-from actwave.integrity import (IntegrityError, WriterLock, bytes_record, int_ids, read_json,
-                               require_finite_tensors, require_int, require_real, verify_file)
+from actwave.integrity import (Between, IntegrityError, WriterLock, bytes_record, check_fields,
+                               int_ids, read_json, require_finite_tensors, verify_file)
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TRAIN_COLUMNS = ("input_ids", "argmax", "loss_mask", "seq_index")
+CHECKPOINT_TMP = ".tmp-"  # prefix of a checkpoint being written (never read)
 
 
 @dataclass
@@ -84,25 +85,23 @@ class TrainConfig:
     eval_sequences: int = 8              # held-out sequences scored at each checkpoint
 
     def __post_init__(self):
+        check_fields(self, TRAIN_RANGES, {"dtype": DTYPES, "lm_head_init": LM_HEAD_INITS})
         self.layer_ids = int_ids("layer_ids", self.layer_ids)
-        if len(self.betas) != 2:
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
-        self.betas = tuple(require_real("betas element", b, 0.0, 1.0, high_open=True)
-                           for b in self.betas)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}; allowed: {sorted(DTYPES)}")
-        for name in ("ttt_steps", "total_steps", "batch_size", "max_seq_len",
-                     "draft_vocab_size", "checkpoint_every", "eval_sequences"):
-            require_int(name, getattr(self, name), minimum=1)
-        require_int("warmup_steps", self.warmup_steps)
-        require_int("seed", self.seed)
-        require_real("gamma", self.gamma, 0.0, 1.0, low_open=True)
-        require_real("weight_decay", self.weight_decay, 0.0)
-        if not 0 <= self.warmup_steps < self.total_steps:
+        self.betas = tuple(float(b) for b in self.betas)  # JSON lists; hashed as floats
+        if self.warmup_steps >= self.total_steps:
             raise ValueError(f"warmup_steps must lie in 0..total_steps-1 ({self.total_steps - 1}),"
                              f" got {self.warmup_steps}")
-        require_real("lr", self.lr, 0.0, low_open=True)
-        require_real("grad_clip", self.grad_clip, 0.0, low_open=True)
+
+
+LM_HEAD_INITS = ("random", "target")
+_POSITIVE = Between(1)
+TRAIN_RANGES = {
+    "ttt_steps": _POSITIVE, "total_steps": _POSITIVE, "batch_size": _POSITIVE,
+    "max_seq_len": _POSITIVE, "draft_vocab_size": _POSITIVE, "checkpoint_every": _POSITIVE,
+    "eval_sequences": _POSITIVE, "warmup_steps": Between(0), "seed": Between(0),
+    "gamma": Between(0.0, 1.0, low_open=True), "lr": Between(0.0, low_open=True),
+    "grad_clip": Between(0.0, low_open=True), "weight_decay": Between(0.0),
+    "betas": Between(0.0, 1.0, high_open=True)}
 
 
 @dataclass
@@ -290,12 +289,12 @@ def save_checkpoint(out_dir: Path, step: int, draft: Eagle3Draft, optimizer, sch
     """``out_dir/checkpoints/step-XXXXXXX/``: weights, optimizer, RNG (safetensors) + meta.json.
 
     Written into a uniquely named temp folder and renamed, then older checkpoints are
-    removed. meta.json records the state file's size and sha256 and the store's hash.
+    removed; the temp folder is removed when writing fails (a full disk, Ctrl-C).
+    meta.json records the state file's size and sha256 and the store's hash.
     """
     root = out_dir / "checkpoints"
     final = root / f"step-{step:07d}"
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step-{step:07d}-"))
     optimizer_tensors, param_groups = _optimizer_to_tensors(optimizer.state_dict())
     weights = {f"draft.{k}": v for k, v in draft.trainable_state_dict().items()}
     require_finite_tensors(f"checkpoint at step {step}", weights)
@@ -303,17 +302,33 @@ def save_checkpoint(out_dir: Path, step: int, draft: Eagle3Draft, optimizer, sch
     if torch.cuda.is_available():
         tensors.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     state = save_tensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
-    (tmp / "state.safetensors").write_bytes(state)
-    atomic_write_json(tmp / "meta.json", {
-        "step": step, "config_hash": config_hash(config), "param_groups": param_groups,
-        "scheduler": scheduler.state_dict(), "history": history, "eval_history": eval_history,
-        "state": bytes_record(state), "store_config_hash": store_hash})
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f"{CHECKPOINT_TMP}step-{step:07d}-"))
+    try:
+        (tmp / "state.safetensors").write_bytes(state)
+        atomic_write_json(tmp / "meta.json", {
+            "step": step, "config_hash": config_hash(config), "param_groups": param_groups,
+            "scheduler": scheduler.state_dict(), "history": history,
+            "eval_history": eval_history, "state": bytes_record(state),
+            "store_config_hash": store_hash})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint is never kept
+        raise
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     for older in root.glob("step-*"):
         if older != final:
             shutil.rmtree(older, ignore_errors=True)
     return final
+
+
+def remove_checkpoint_temps(out_dir: Path) -> list[Path]:
+    """Remove ``checkpoints/.tmp-*`` folders of a writer that died mid-checkpoint (SIGKILL,
+    power loss: no ``except`` ran); -> the removed paths. Call holding out_dir's lock."""
+    leftovers = sorted((out_dir / "checkpoints").glob(f"{CHECKPOINT_TMP}*"))
+    for path in leftovers:
+        log.warning("removing %s, left by an interrupted checkpoint write", path)
+        shutil.rmtree(path, ignore_errors=True)
+    return leftovers
 
 
 def _checkpoint_repair(path: Path) -> str:
@@ -447,6 +462,19 @@ def _checked_step(step: int, out_dir: Path, *args) -> TTTOutput:
             "lower lr or check the capture store for NaN/inf") from err
 
 
+def require_finite_metrics(what: str, row: dict) -> None:
+    """Refuse (FloatingPointError) a metrics row holding NaN/inf, naming the first such key:
+    a draft is never marked complete with a metric that is not a number."""
+    bad = [key for key, value in row.items()
+           if isinstance(value, float) and not math.isfinite(value)]
+    if bad:
+        raise FloatingPointError(
+            f"{what}: {bad[0]} = {row[bad[0]]} ({len(bad)} non-finite metric(s): {bad}); the "
+            "held-out store may hold NaN/inf states, or none of its positions is scored (no "
+            "reply token whose target argmax is in the draft vocabulary); nothing is marked "
+            "complete")
+
+
 def _read_csv(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -510,8 +538,9 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
     (e.g. offline acceptance, ``actwave.decoding.acceptance``) to each checkpoint's eval row.
     One writer per out_dir (``WriterLock``); a finished out_dir trained on another store
     is refused; a finished draft that fails its checksum is rebuilt from the last
-    checkpoint; a non-finite loss or gradient stops the run (FloatingPointError) with the
-    last good checkpoint kept. ``segment``: another schedule, a stop step, a start
+    checkpoint; a non-finite loss or gradient, or a non-finite held-out metric, stops the
+    run (FloatingPointError) with the last good checkpoint kept and nothing marked complete;
+    a checkpoint write that fails leaves no temp folder. ``segment``: another schedule, a stop step, a start
     checkpoint (``Segment``).
     """
     return fit(store, lambda: load_sequences(store, config.layer_ids, config.max_seq_len),
@@ -537,6 +566,8 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
         except IntegrityError as err:
             log.warning("rebuilding the draft from its last checkpoint: %s", err)
     accelerator = Accelerator()
+    if accelerator.is_main_process:  # the lock holder: no other writer's temp folders exist
+        remove_checkpoint_temps(out_dir)
     data = load_data()
     eval_data = (load_sequences(eval_store, config.layer_ids, config.max_seq_len,
                                 config.eval_sequences) if eval_store is not None else None)
@@ -571,7 +602,9 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
                 if eval_data is not None:
                     row.update(evaluate_data(draft, eval_data, target, config.ttt_steps,
                                              config.batch_size, config.dtype))
-                eval_history.append({**row, **(eval_fn(draft) if eval_fn else {})})
+                row.update(eval_fn(draft) if eval_fn else {})
+                require_finite_metrics(f"held-out evaluation at step {step + 1}", row)
+                eval_history.append(row)
             if accelerator.is_main_process:
                 save_checkpoint(out_dir, step + 1, draft, optimizer, scheduler, config, history,
                                 eval_history, source.config_hash)

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from actwave.config import artifact_dir, atomic_write_json, save_config, to_jsonable
-from actwave.integrity import IntegrityError, WriterLock, file_record, read_json, verify_once
+from actwave.integrity import (Between, IntegrityError, WriterLock, check_fields, file_record,
+                               read_json, verify_once)
 from actwave.stats.blockstats import block_pair_layer_stats
 from actwave.stats.metrics import LayerStats, StreamingLayerStats, token_filter, unit_rows
 
@@ -61,6 +62,7 @@ class AnalysisConfig:
     row_normalize: bool = False
 
     def __post_init__(self) -> None:
+        check_fields(self, {"seed": Between(0)})
         if self.filter not in FILTERS:
             raise ValueError(f"filter must be one of {FILTERS}, got {self.filter!r}")
         if self.matmul_dtype not in MATMUL_DTYPES:

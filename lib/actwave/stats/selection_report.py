@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from actwave.integrity import Between, check_fields
 from actwave.stats.selection import (METHODS, ScoreFn, all_subsets, check_k, cka_matrix,
                                      compartment_layers, exhaustive, objective, percentile,
                                      resolve_candidates, score_of, select)
@@ -49,6 +50,9 @@ class SelectionConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_fields(self, {"greedy_alpha": Between(0.0), "mrmr_lambda": Between(0.0),
+                            "dpp_theta": Between(0.0, low_open=True),
+                            "seed": Between(0)})
         if self.combined_method not in METHODS:
             raise ValueError(f"combined_method {self.combined_method!r} unknown; "
                              f"known: {sorted(METHODS)}")

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from actwave.integrity import Between, check_fields
 from actwave.stats import metrics, selection_report
 from actwave.stats.analysis import AnalysisConfig
 
@@ -139,6 +140,7 @@ class BootstrapConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_fields(self, {"seed": Between(0)})
         if self.n_boot < 1 or self.boot_tokens < metrics.MIN_TOKENS_DEBIASED:
             raise ValueError(f"need n_boot ≥ 1 and boot_tokens ≥ {metrics.MIN_TOKENS_DEBIASED},"
                              f" got n_boot={self.n_boot}, boot_tokens={self.boot_tokens}")

@@ -49,7 +49,9 @@ from actwave.config import atomic_write_json, config_hash, package_versions
 from actwave.decoding.acceptance import decode_walk, sequence_acceptance, tau_hat
 from actwave.eagle3.online import OnlineSource, train_online
 from actwave.eagle3.schedule import WSDSchedule, cost
+from actwave.eagle3.train import DTYPES as TRAIN_DTYPES
 from actwave.eagle3.train import Segment, TrainConfig, _pad
+from actwave.integrity import Between, check_fields
 from actwave.study.runs import StudySet
 from actwave.study.stats import PRIMARY, REFERENCE
 
@@ -75,6 +77,14 @@ class LongRunConfig:
     train_dtype: str = "float32"
     checkpoint_every: int = 64
     eval_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        check_fields(self, {name: Between(1) for name in (
+            "base_steps", "multipliers", "min_decay", "batch_size", "max_seq_len", "ttt_steps",
+            "draft_vocab_size", "checkpoint_every", "eval_batch_size")} | {
+            "warmup_steps": Between(0), "lr": Between(0.0, low_open=True),
+            "decay_fraction": Between(0.0, 1.0, low_open=True)},
+            {"train_dtype": TRAIN_DTYPES})
 
     @property
     def budgets(self) -> tuple[int, ...]:

@@ -31,10 +31,13 @@ from pathlib import Path
 import torch
 
 from actwave.capture import regenerate
+from actwave.capture.models import DTYPES as CAPTURE_DTYPES
 from actwave.capture.store import CaptureConfig, CaptureStore, regen_config, run_capture
 from actwave.config import atomic_write_json, cache_dir, config_hash, package_versions
 from actwave.decoding.acceptance import decode_walk, sequence_acceptance, tau_hat
+from actwave.eagle3.train import DTYPES as TRAIN_DTYPES
 from actwave.eagle3.train import TrainConfig, load_sequences, train_draft
+from actwave.integrity import Between, check_fields
 from actwave.stats import selection
 
 log = logging.getLogger(__name__)
@@ -78,16 +81,16 @@ class StudyConfig:
     curve_factor: int     # the learning-curve run trains the default this many budgets
 
     def __post_init__(self) -> None:
-        for name in ("train_sequences", "eval_sequences", "train_steps", "batch_size",
-                     "ttt_steps", "depth", "tree_top_k", "n_seeds", "curve_factor"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_fields(self, {name: Between(1) for name in (
+            "train_sequences", "eval_sequences", "max_seq_len", "regen_new_tokens",
+            "eval_new_tokens", "capture_batch_size", "train_steps", "batch_size", "ttt_steps",
+            "draft_vocab_size", "checkpoint_every", "depth", "tree_top_k", "n_seeds",
+            "curve_factor")} | {"seed": Between(0), "warmup_steps": Between(0),
+                                "n_random": Between(0), "lr": Between(0.0, low_open=True)},
+            {"capture_dtype": CAPTURE_DTYPES, "train_dtype": TRAIN_DTYPES})
         if self.depth > self.ttt_steps:
             raise ValueError(f"depth={self.depth} exceeds ttt_steps={self.ttt_steps}: the draft "
                              "would be scored on steps it was never trained for")
-        if self.n_random < 0:
-            raise ValueError(f"n_random must be >= 0, got {self.n_random}")
 
     @property
     def extra_sizes(self) -> list[int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import re
 import shutil
 import sys
@@ -77,10 +78,13 @@ def _config(model: str):
     if model in models.REGISTRY:
         cached = cache_dir() / "models" / model
         if (cached / "config.json").is_file():
-            return AutoConfig.from_pretrained(cached)
+            return AutoConfig.from_pretrained(cached, trust_remote_code=False)
         gguf = models.REGISTRY[model].locate()
-        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    return AutoConfig.from_pretrained(models.resolve(model))
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                          trust_remote_code=False)
+    name = models.resolve(model)
+    models.refuse_custom_code(name, name)
+    return AutoConfig.from_pretrained(name, trust_remote_code=False)
 
 
 def model_shape(model: str) -> Shape:
@@ -135,10 +139,30 @@ def draft_train_bytes(shape: Shape, k: int, draft_vocab: int, ttt_steps: int, ba
             "frozen embedding copy": shape.vocab * d * dtype_bytes, "activations": activations}
 
 
+SUMMARY_COLUMNS = ("measure", "detail")
+
+
+def _table(path: Path, columns: tuple[str, ...], delimiter: str = ",") -> list[dict]:
+    """The rows of a CSV/TSV file, refused (ValueError naming the file) when it is not text
+    or lacks one of ``columns``."""
+    try:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f, delimiter=delimiter)
+            rows = list(reader)
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise ValueError(f"{path}: not a readable table ({err})") from err
+    missing = [c for c in columns if c not in (reader.fieldnames or ())]
+    if missing:
+        raise ValueError(f"{path}: no column {missing[0]!r} (columns: {reader.fieldnames}); "
+                         "expected a benchmarks/run_all.py summary.csv")
+    return rows
+
+
 def read_rates(summary: Path) -> dict[str, float]:
     """Effective FLOP/s of each kind of work, from a ``benchmarks/run_all.py`` summary and the
-    cpu profile's ``steps.tsv``; every rate names its source in ``RATE_SOURCES``."""
-    rows = {row["measure"]: row for row in csv.DictReader(summary.open())}
+    cpu profile's ``steps.tsv``; every rate names its source in ``RATE_SOURCES``. A file
+    that lacks a column or row is refused (ValueError) naming the file and the key."""
+    rows = {row["measure"]: row for row in _table(summary, SUMMARY_COLUMNS)}
 
     def detail(prefix: str, pattern: str) -> float:
         row = next((r for m, r in rows.items() if m.startswith(prefix)), None)
@@ -149,8 +173,11 @@ def read_rates(summary: Path) -> dict[str, float]:
     forward = 2 * REFERENCE["params"]
     smol = Shape("smollm2-135m", REFERENCE["params"], 30, 576, 49152, 9, 3, 64, 1536)
     train_flops = draft_train_flops_per_token(smol, 3, 8192, 3, 465)  # bench_train defaults
-    steps = {row["step"]: float(row["wall_s"]) for row in csv.DictReader(
-        (repo_root() / "results" / "cpu" / "steps.tsv").open(), delimiter="\t")}
+    steps_file = repo_root() / "results" / "cpu" / "steps.tsv"
+    steps = {row["step"]: float(row["wall_s"])
+             for row in _table(steps_file, ("step", "wall_s"), delimiter="\t")}
+    if EVAL_STEP[0] not in steps:
+        raise ValueError(f"{steps_file}: no step {EVAL_STEP[0]!r} (the evaluation rate)")
     return {
         "capture": detail("capture /", r"^([\d.]+) vs") * forward,
         "regenerate": detail("batch 16", r"^([\d.]+) vs") * forward,
@@ -420,18 +447,37 @@ def render(shape: Shape, profile_name: str, profile: dict, needs: list[Need],
     return header + "\n".join(rows) + "\n" + RATE_SOURCES.format(summary=summary) + "\n"
 
 
+# 1 PiB: no single machine offers more; a larger value is a typo that would make
+# every step "fit".
+MAX_GIB = 2.0**20
+
+
+def limit_bytes(option: str, gib: float | None) -> float | None:
+    """A size given on the command line in GiB -> bytes (None stays None: measure it).
+
+    Refuses NaN, inf, zero, negatives and more than ``MAX_GIB``, naming the option.
+    """
+    if gib is None:
+        return None
+    if not (math.isfinite(gib) and 0 < gib <= MAX_GIB):
+        raise ValueError(f"{option} must be a number of GiB in (0, {MAX_GIB:,.0f}], got {gib!r}")
+    return gib * GIB
+
+
 def _limits(args, profile: dict) -> Limits:
     cuda = str(profile.get("device", "cpu")).startswith("cuda")
-    host = args.memory_gib * GIB if args.memory_gib else available_bytes("cpu") or 0
-    if args.device_memory_gib:
-        device = args.device_memory_gib * GIB
+    memory = limit_bytes("--memory-gib", args.memory_gib)
+    device_memory = limit_bytes("--device-memory-gib", args.device_memory_gib)
+    disk = limit_bytes("--disk-gib", args.disk_gib)
+    host = memory if memory is not None else available_bytes("cpu") or 0
+    if device_memory is not None:
+        device = device_memory
     elif cuda and torch.cuda.is_available():
         device = available_bytes("cuda")
     else:
         device = 80 * GIB if cuda else host  # the gpu profile is sized for an 80 GB GPU
-    disk = args.disk_gib * GIB if args.disk_gib else shutil.disk_usage(cache_dir().parent
-                                                                       if not cache_dir().exists()
-                                                                       else cache_dir()).free
+    if disk is None:
+        disk = shutil.disk_usage(cache_dir() if cache_dir().exists() else cache_dir().parent).free
     return Limits(host=float(host), device=float(device), disk=float(disk))
 
 
@@ -460,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = Path(args.rates) if Path(args.rates).is_absolute() else repo_root() / args.rates
         rates, limits = read_rates(summary), _limits(args, profile)
         where = "device" if str(profile.get("device", "cpu")).startswith("cuda") else "host"
-        budget = args.stats_budget_gib * GIB if args.stats_budget_gib else getattr(limits, where)
+        budget = limit_bytes("--stats-budget-gib", args.stats_budget_gib)
+        budget = budget if budget is not None else getattr(limits, where)
         trained = str(profile.get("train_models", profile["models"])).split(",")
         models = [args.model] if args.model else str(profile["models"]).split(",")
         plans = [(shape, plan_needs(shape, profile, rates, args.stats_route, budget,
