@@ -99,11 +99,14 @@ def atomic_write_json(path: Path | str, obj: Any) -> None:
 
 
 def save_config(directory: Path | str, config: Any, **extra: Any) -> Path:
-    """``config.json`` beside an artifact: the config, its hash, versions and extras."""
+    """``config.json`` beside an artifact: the config, its hash, versions and extras, with
+    its self-checksum (``actwave.integrity.write_record``; read it with ``read_record``)."""
+    from actwave.integrity import write_record
+
     record = {"config": to_jsonable(config), "config_hash": config_hash(config),
               "code_version": CODE_VERSION, "versions": package_versions(), **extra}
     path = Path(directory) / "config.json"
-    atomic_write_json(path, record)
+    write_record(path, record)
     return path
 
 

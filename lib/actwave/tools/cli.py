@@ -69,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_select(args: argparse.Namespace) -> dict:
-    """Capture, statistics and every method for ``args.model``; the result as plain data."""
+    """Capture, statistics and every method for ``args.model``; the result as plain data.
+
+    The capture is keyed by the content digest of the model's files (computed on every call),
+    the statistics by the store's content digest: new weights at the same path, or another
+    model under the same folder name, never reuse an old store or its statistics."""
     tic = time.perf_counter()
     store = run_capture(CaptureConfig(
         model=args.model, split="analysis", n_sequences=args.sequences,
@@ -87,7 +91,9 @@ def run_select(args: argparse.Namespace) -> dict:
     if "eagle3_default" in methods:
         picks["eagle3_default"] = _row(token_sets[filtered], "eagle3_default")
     engines = args.engine or list(ENGINES)
-    return {"model": args.model, "num_layers": num_layers, "hidden_size": store.hidden_size,
+    return {"model": args.model, "model_digest": store.manifest["model_digest"],
+            "store": str(store.path), "store_digest": store.digest,
+            "num_layers": num_layers, "hidden_size": store.hidden_size,
             "k": args.k, "store_tokens": store.n_tokens, "recommended_token_set": filtered,
             "recommended_method": config.combined_method,
             "n_subsets": math.comb(num_layers, args.k), "token_sets": token_sets,
@@ -132,7 +138,8 @@ def format_report(result: dict) -> str:
     """The printed report of ``run_select``'s result."""
     lines = [f"actwave select · {result['model']} (N={result['num_layers']}, "
              f"d={result['hidden_size']}) · k={result['k']} · {result['store_tokens']:,} "
-             f"captured tokens · {result['seconds']:.0f} s", ""]
+             f"captured tokens · {result['seconds']:.0f} s",
+             f"model files {result['model_digest']} · store {result['store']}", ""]
     for label, token_set in result["token_sets"].items():
         lines += _method_table(label, token_set, result) + [""]
     lines += [f"Percentiles: share of all C({result['num_layers']}, {result['k']}) = "
