@@ -1,10 +1,11 @@
 """Configs, artifact keys and atomic writes shared by every stage.
 
 Each stage has one typed dataclass config. Its artifact lives under
-``cache_dir()/<stage>/<name>-<hash>/`` where the hash is the sha256 of the sorted-JSON
-config plus ``CODE_VERSION`` (bump it when an artifact format or algorithm changes, so
-stale caches are never reused). Beside each artifact: ``config.json`` with the config,
-the seed, and package versions.
+``cache_dir()/<stage>/<name>-<hash>/`` where the hash is the sha256 of the sorted-JSON key
+plus ``CODE_VERSION`` (bump it when an artifact format or algorithm changes, so stale
+caches are never reused); the key is the config together with the content digests of the
+artifact's inputs (``actwave.integrity``, "Provenance"). Beside each artifact:
+``config.json`` with the key, the seed, package versions and its own checksum.
 """
 from __future__ import annotations
 

@@ -5,10 +5,19 @@
   ``config.json``. Readers check sizes when they open an artifact and checksums lazily,
   once per file and process (``verify_once``), so a flipped byte is refused with an
   ``IntegrityError`` naming the file, the expected and found values and the call that
-  repairs it. Records from before checksums existed are accepted unverified.
+  repairs it.
+- **Checksummed records.** JSON records (manifests, ``config.json`` of drafts, statistics
+  and training runs, evaluation manifests) are written by ``write_record`` with the sha256
+  of their own canonical JSON (``record_sha256``) and read by ``read_record``, which refuses
+  an edited record and one without the field.
+- **Provenance.** Every artifact's key holds the content digests of its inputs
+  (``content_digest`` of their file records; ``models.model_digest`` of a model's files),
+  so new inputs give new keys and nothing stale is ever reused: model files -> capture
+  store -> layer statistics, drafts, study records -> evaluation runs.
 - **Fingerprints.** ``model_fingerprint`` names a target by its name, class, config,
-  parameter shapes, weights and dtype, so an artifact refuses a model it was not made
-  with.
+  parameter shapes, weights and dtype; ``model_identity`` adds the dtype-free config and
+  the model's file digest, and ``identity_mismatch`` compares two identities (in another
+  dtype by the file digests), so an artifact refuses a model it was not made with.
 - **One writer at a time.** ``WriterLock`` holds ``<artifact folder>/.lock`` (pid + host)
   while a producer writes; a second writer waits (or fails with the holder's pid and
   host), and a lock left by a dead process on this host is taken over.

@@ -223,13 +223,6 @@ class Eagle3Draft(nn.Module):
                     target=self.target_identity)
         return directory
 
-    @staticmethod
-    def saved_digest(directory) -> str:
-        """The digest of a saved draft: the sha256 of its weights file as its checksummed
-        ``config.json`` records it (keys evaluation records of that draft)."""
-        record = read_record(Path(directory) / "config.json", f"retrain the draft at {directory}")
-        return record["weights"]["sha256"][:16]
-
     @classmethod
     def load(cls, directory, target: nn.Module) -> "Eagle3Draft":
         """Load a ``save_pretrained`` draft, re-attaching (a copy of) the target embedding.
