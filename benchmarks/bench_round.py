@@ -35,12 +35,13 @@ from transformers import DynamicCache
 from actwave.capture import data, models
 from actwave.decoding import costmodel, linear_routes, speculative
 from actwave.decoding.evaluate import benchmark_prompts, load_drafts
+from actwave.decoding.tree import TreeShape
 from actwave.eagle3 import Eagle3Draft
 from actwave.stats.selection import eagle3_default
 
-SETTINGS = {"chain d4": dict(mode="chain", depth=4),
-            "tree 4/4/16": dict(mode="tree", depth=4, top_k=4, total_tokens=16),
-            "tree 6/8/32": dict(mode="tree", depth=6, top_k=8, total_tokens=32)}
+SETTINGS = {"chain d4": TreeShape("chain", depth=4),
+            "tree 4/4/16": TreeShape("tree", depth=4, top_k=4, total_tokens=16),
+            "tree 6/8/32": TreeShape("tree", depth=6, top_k=8, total_tokens=32)}
 
 
 def parse_args(argv):
@@ -142,9 +143,9 @@ def round_table(target, draft, tokenizer, args) -> pd.DataFrame:
         reference = speculative.greedy_generate(target, ids, args.max_new_tokens, eos)
         greedy_seconds += reference.timings["decode"]
         greedy_tokens += len(reference.tokens) - 1
-        for label, settings in SETTINGS.items():
+        for label, shape in SETTINGS.items():
             result = speculative.generate(target, draft, ids, args.max_new_tokens,
-                                          eos_token_ids=eos, **settings)
+                                          shape=shape, eos_token_ids=eos)
             assert result.tokens == reference.tokens, f"{label}: output differs from greedy"
             for section in speculative.SECTIONS[1:]:
                 totals[label][section] += result.timings[section]

@@ -3,7 +3,7 @@
 SmolLM2 (default), float32, T=0, on the first turns of MT-bench and HumanEval
 (``--n-prompts`` each): our plain greedy, HF ``generate``, HF prompt-lookup decoding, and
 our EAGLE-3 speculative decoding with the fixed tree (``--depth/--top-k/--total-tokens``)
-and with ``tree="auto"`` — the shape ``actwave.decoding.costmodel`` picks from this machine's
+and with the auto shape — the one ``actwave.decoding.costmodel`` picks from this machine's
 measured cost curve (cached) and the draft's acceptance on held-out ShareGPT replies.
 Per row: tokens/s, speedup vs our greedy (95% bootstrap CI over prompts), τ, speedup ÷ τ
 (the share of τ that survives the round's cost) and the exact-match rate vs our greedy.
@@ -32,8 +32,8 @@ import pandas as pd
 import torch
 
 from actwave.capture import data, models
-from actwave.decoding import costmodel, linear_routes
-from actwave.decoding.evaluate import EvalConfig, benchmark_prompts, evaluate, load_drafts
+from actwave.decoding import fastpath, linear_routes
+from actwave.decoding.evaluate import EvalConfig, benchmark_prompts, load_drafts
 from actwave.decoding.speculative import greedy_generate
 from actwave.eagle3 import Eagle3Draft
 from actwave.stats.selection import eagle3_default
@@ -72,19 +72,6 @@ def load_draft(target, args) -> tuple[Eagle3Draft, bool]:
     return Eagle3Draft.from_target(target, layers, draft_vocab_size=32768).eval(), False
 
 
-def run(target, tokenizer, draft, label: str, settings: dict, peers: bool, args) -> pd.DataFrame:
-    """One evaluate() pass: our greedy (+ peers) and the draft with ``settings``; 'all' rows."""
-    config = EvalConfig(model=args.model, benchmarks=tuple(args.benchmarks.split(",")),
-                        n_prompts=args.n_prompts, max_turns=1, max_new_tokens=args.max_new_tokens,
-                        peers=peers, **settings)
-    out = evaluate(target, tokenizer, {label: draft}, config,
-                   models.stop_token_ids(tokenizer, args.model))
-    summary = out["summary"]
-    table = summary[summary.benchmark == "all"].copy()
-    table["speedup_per_tau"] = table.speedup / table.tau
-    return table[COLUMNS].reset_index(drop=True)
-
-
 @torch.no_grad()
 def route_gain(target, tokenizer, table: linear_routes.RouteTable, args) -> dict:
     """Our greedy with ``table``'s routes vs with stock linears, alternating per prompt on
@@ -107,35 +94,37 @@ def route_gain(target, tokenizer, table: linear_routes.RouteTable, args) -> dict
             "routed_tokens_per_s": tokens / seconds["routed"], "identical": identical}
 
 
+def rows_of(comparison: fastpath.Comparison) -> pd.DataFrame:
+    """The pooled ("all") rows: greedy and peers from the fixed pass, the draft of each pass
+    as ``spec_fixed`` / ``spec_auto``."""
+    summary = comparison.summary()
+    table = summary[summary.benchmark == "all"].copy()
+    spec = table.label == "draft"
+    table.loc[spec, "label"] = "spec_" + table.loc[spec, "pass"]
+    table = table[spec | (table["pass"] == "fixed")]
+    return table[COLUMNS].reset_index(drop=True)
+
+
 def compare(args) -> tuple[pd.DataFrame, dict, bool]:
-    """All rows (fixed-tree pass with peers, then the auto-tree pass) and the auto shape,
-    under the measured linear routes unless ``--linear-routes stock``."""
+    """Every row through ``fastpath.compare`` (the notebooks' path): the fixed tree with the
+    HF peers, then the auto shape, under the measured linear routes unless ``stock``."""
     target, tokenizer = models.load(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     draft, trained = load_draft(target, args)
-    if args.linear_routes == "stock":
-        table, info = _compare_rows(target, tokenizer, draft, args)
-        return table, info | {"route_gain": None, "tables": {}}, trained
-    tic = time.perf_counter()
-    with linear_routes.routed({models.slug(args.model): target, "draft": draft}) as tables:
-        logging.info("linear routes (%.0f s): %s", time.perf_counter() - tic,
-                     {name: table.routes for name, table in tables.items()})
-        table, info = _compare_rows(target, tokenizer, draft, args)
-    target_table = tables[models.slug(args.model)]
-    gain = route_gain(target, tokenizer, target_table, args)
-    return table, info | {"route_gain": gain, "tables": {"target": target_table}}, trained
-
-
-def _compare_rows(target, tokenizer, draft, args) -> tuple[pd.DataFrame, dict]:
-    eos = models.stop_token_ids(tokenizer, args.model)
-    prompts = [p.to(args.device) for p in costmodel.held_out_prompts(tokenizer, args.acceptance_prompts)]
-    acceptance = costmodel.held_out_acceptance(
-        target, draft, costmodel.greedy_texts(target, prompts, eos_token_ids=eos))
-    shape = costmodel.auto_shape(target, draft, acceptance)
+    config = EvalConfig(model=args.model, benchmarks=tuple(args.benchmarks.split(",")),
+                        n_prompts=args.n_prompts, max_turns=1, max_new_tokens=args.max_new_tokens,
+                        peers=True, mode="tree", depth=args.depth, top_k=args.top_k,
+                        total_tokens=args.total_tokens)
+    comparison = fastpath.compare(target, tokenizer, {"draft": draft}, config,
+                                  models.stop_token_ids(tokenizer, args.model),
+                                  routes=args.linear_routes,
+                                  acceptance_prompts=args.acceptance_prompts)
+    target_table = comparison.tables.get(models.slug(args.model))
+    gain = route_gain(target, tokenizer, target_table, args) if target_table else None
     fixed = dict(mode="tree", depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
-    first = run(target, tokenizer, draft, "spec_fixed", fixed, True, args)
-    second = run(target, tokenizer, draft, "spec_auto", shape.settings(), False, args)
-    table = pd.concat([first, second[second.label != "greedy"]], ignore_index=True)
-    return table, {"acceptance": acceptance, "shape": shape, "fixed": fixed, "dtype": args.dtype}
+    info = {"acceptance": comparison.reach, "shape": comparison.auto, "fixed": fixed,
+            "dtype": args.dtype, "route_gain": gain,
+            "tables": {"target": target_table} if target_table else {}}
+    return rows_of(comparison), info, trained
 
 
 def summary_rows(table: pd.DataFrame, info: dict, trained: bool) -> list[dict]:

@@ -15,13 +15,15 @@
 #
 # Every draft trained by notebook 06 (`results/<profile>/06_drafts.json`: model → label →
 # draft folder under the cache dir) decodes MT-bench (`max_turns` turns), HumanEval and held-out
-# ShareGPT prompts with its target at temperature 0 (`actwave.decoding.speculative.generate`,
-# EAGLE-2 dynamic tree). In the same run and on the same prompts: our plain greedy
-# decoding (the speedup baseline and exactness reference), HF `generate` greedy and HF
-# prompt-lookup decoding. τ = tokens emitted / verification rounds (bonus included);
-# speedup = tokens/s ÷ our greedy tokens/s; 95% bootstrap CIs over prompts
-# (`actwave.decoding.evaluate`). Raw per-prompt records are saved beside the tables, and a rerun
-# resumes from them.
+# ShareGPT prompts with its target at temperature 0, through the same comparison the
+# benchmarks run (`actwave.decoding.fastpath.compare`): every linear layer under the GEMM
+# formulation measured fastest on this machine (`routes = "measured"`), and two passes — the
+# profile's fixed tree (with HF `generate` greedy and HF prompt lookup as peers) and the
+# *auto* shape the cost model picks from this machine's measured cost curve and the drafts'
+# held-out reach. Each pass has its own plain greedy baseline (same routes, same prompts).
+# τ = tokens emitted / verification rounds (bonus included); speedup = tokens/s ÷ our greedy
+# tokens/s; 95% bootstrap CIs over prompts. Raw per-prompt records are saved beside the
+# tables, and a rerun resumes from them.
 #
 # Then: measured τ against the selection scores of notebook 05 (`05_selection.csv`), with
 # Spearman and Kendall rank correlations over all trained drafts, and the acceptance rate
@@ -41,7 +43,8 @@ mode = "tree"
 depth = 4
 top_k = 4
 total_tokens = 16
-tree = "fixed"  # "auto": mode/depth/top_k/total_tokens from this machine's cost curve + held-out acceptance
+routes = "measured"  # "stock": F.linear as shipped (actwave.decoding.linear_routes)
+acceptance_prompts = 16  # held-out ShareGPT greedy replies behind the auto shape
 peers = True
 n_bootstrap = 1000
 seed = 0
@@ -56,7 +59,7 @@ import torch
 from actwave import index, plots
 from actwave.capture import models as model_zoo
 from actwave.config import results_dir as profile_results
-from actwave.decoding import costmodel, evaluate
+from actwave.decoding import evaluate, fastpath, report
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("actwave").setLevel(logging.INFO)
@@ -76,48 +79,52 @@ config, draft_dirs
 # ## Decoding runs (one per model; all methods side by side on each prompt)
 
 # %%
-runs, layer_sets = {}, {}
+comparisons, layer_sets = {}, {}
 for name in model_names:
     target, tokenizer = model_zoo.load(name, dtype=getattr(torch, dtype), device=device)
     drafts = evaluate.load_drafts(target, draft_dirs[name])
     layer_sets[name] = {label: tuple(draft.layer_ids) for label, draft in drafts.items()}
-    shape = (costmodel.shared_shape(target, tokenizer, drafts, model_zoo.stop_token_ids(tokenizer, name),
-                                    skip=n_prompts).settings() if tree == "auto" else {})
-    print(name, "tree:", shape or "fixed")
-    runs[name] = evaluate.evaluate(
-        target, tokenizer, drafts, evaluate.EvalConfig(**{**vars(config), "model": name, **shape}),
-        model_zoo.stop_token_ids(tokenizer, name), out_dir=results_dir, run_name=f"{NOTEBOOK}_records_{model_zoo.slug(name)}")
+    comparisons[name] = fastpath.compare(
+        target, tokenizer, drafts, evaluate.EvalConfig(**{**vars(config), "model": name}),
+        model_zoo.stop_token_ids(tokenizer, name), routes=routes,
+        acceptance_prompts=acceptance_prompts, out_dir=results_dir,
+        run_name=f"{NOTEBOOK}_records_{model_zoo.slug(name)}")
+    print(name, "routes:", routes, "| fixed:", comparisons[name].shape_label("fixed"),
+          "|", comparisons[name].shape_label("auto"))
     del target, drafts
 
 # %% [markdown]
-# ## Main table: τ and speedup (95% CI) per layer set and benchmark, with the peer rows
-# `exact_match_rate` in the long table: share of prompts whose output equals our greedy.
+# ## Main table: τ and speedup (95% CI) per layer set, benchmark and shape, with the peer rows
+# `shape` and `routes` say what ran; `exact_match_rate`: share of prompts whose output equals
+# our greedy.
 
 # %%
-summary = pd.concat([run["summary"].assign(model=name) for name, run in runs.items()])
+summary = pd.concat([c.summary().assign(model=name) for name, c in comparisons.items()])
 plots.save_table(summary, f"{NOTEBOOK}_summary", NOTEBOOK, results_dir,
-                 sort_by=["model", "benchmark", "label"])
-main = pd.concat([evaluate.main_table(run["summary"], layer_sets[name]).assign(model=name)
-                  for name, run in runs.items()])
-main = main[["model"] + [c for c in main.columns if c != "model"]]
-plots.save_table(main, f"{NOTEBOOK}_main", NOTEBOOK, results_dir, sort_by=["model", "label"])
+                 sort_by=["model", "pass", "benchmark", "label"])
+main = pd.concat([report.main_table(run["summary"], layer_sets[name])
+                  .assign(model=name, shape=c.shape_label(pass_name), routes=c.routes)
+                  for name, c in comparisons.items() for pass_name, run in c.runs.items()])
+main = main[["model", "shape"] + [col for col in main.columns if col not in ("model", "shape")]]
+plots.save_table(main, f"{NOTEBOOK}_main", NOTEBOOK, results_dir, sort_by=["model", "shape", "label"])
 main
 
 # %% [markdown]
 # ## Does the selection score predict τ?
 # Scores of each trained draft's layer set (notebook 05, per token set) against
-# its τ pooled over benchmarks; rank correlations per model and pooled ("all": ranks taken
+# its τ pooled over benchmarks, with the fixed shape (one shape for every draft: the deeper
+# one, so τ spreads more than with a short auto chain); rank correlations per model and pooled ("all": ranks taken
 # within each model first). A handful of drafts per model: read the p-values.
 
 # %%
 taus = pd.DataFrame([{"model": name, "label": row.label,
                       "layer_ids": layer_sets[name][row.label], "tau": row.tau}
-                     for name, run in runs.items()
-                     for row in run["summary"].itertuples()
+                     for name, c in comparisons.items()
+                     for row in c.runs["fixed"]["summary"].itertuples()
                      if row.benchmark == "all" and row.label in layer_sets[name]])
 selection_path = results_dir / "05_selection.csv"
 if selection_path.exists():
-    joined, correlations = evaluate.tau_vs_scores(taus, evaluate.read_selection_scores(selection_path))
+    joined, correlations = report.tau_vs_scores(taus, report.read_selection_scores(selection_path))
 else:
     logging.warning("%s missing: run notebook 05 for the score correlations", selection_path)
     joined, correlations = taus.iloc[:0].assign(token_set="", score="", value=0.0), pd.DataFrame()
@@ -137,11 +144,14 @@ if not shown.empty:
 # `conditional`: P(accept ≥ i | accept ≥ i − 1).
 
 # %%
-acceptance = pd.concat([run["acceptance"].assign(model=name) for name, run in runs.items()])
+acceptance = pd.concat([run["acceptance"].assign(model=name, shape=c.shape_label(pass_name))
+                        for name, c in comparisons.items() for pass_name, run in c.runs.items()])
 plots.save_table(acceptance, f"{NOTEBOOK}_acceptance", NOTEBOOK, results_dir,
-                 sort_by=["model", "benchmark", "label", "position"])
+                 sort_by=["model", "shape", "benchmark", "label", "position"])
 for name in model_names:
-    fig = plots.plot_acceptance(acceptance[acceptance["model"] == name],
+    fixed_shape = comparisons[name].shape_label("fixed")
+    fig = plots.plot_acceptance(acceptance[(acceptance["model"] == name)
+                                           & (acceptance["shape"] == fixed_shape)],
                                 title=f"{name}: acceptance per draft position")
     plots.save_figure(fig, f"{NOTEBOOK}_acceptance_{model_zoo.slug(name)}", NOTEBOOK)
     plt.close(fig)

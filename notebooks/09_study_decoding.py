@@ -16,9 +16,11 @@
 # Per model, three drafts of the study (notebook 08's records): the EAGLE-3 default, the
 # selected set and the random set with the highest offline τ̂ (seed 0 each). Each decodes
 # MT-bench (both turns), HumanEval and held-out ShareGPT prompts at temperature 0 in fp32
-# by chain speculative decoding of depth K (the depth of offline acceptance), beside our
-# plain greedy decoding in the same run (`actwave.decoding.evaluate`): τ, speedup, exactness, and a
-# paired bootstrap over prompts. Raw records are committed beside the tables and a rerun
+# through the benchmarks' comparison (`actwave.decoding.fastpath.compare`): every linear under
+# the GEMM route measured fastest here (`routes`), first by chain speculative decoding of depth
+# K (the depth of offline acceptance), then with the auto shape of the measured cost curve,
+# each beside our plain greedy decoding on the same prompts: τ, speedup, exactness, and a
+# paired bootstrap over prompts (chain pass). Raw records are committed beside the tables and a rerun
 # resumes from them. Then: decoding τ against offline τ̂ and the offline decoding walk
 # (`actwave.decoding.acceptance.decode_walk`) of the same drafts.
 
@@ -31,6 +33,8 @@ capture_dtype = "float32"
 decode_benchmarks = "mtbench,humaneval,sharegpt"
 decode_prompts = 20
 decode_new_tokens = 32
+routes = "measured"  # "stock": F.linear as shipped (actwave.decoding.linear_routes)
+acceptance_prompts = 16  # held-out ShareGPT greedy replies behind the auto shape
 n_bootstrap = 1000
 
 # %%
@@ -42,7 +46,7 @@ from actwave import plots
 from actwave.capture import models as model_zoo
 from actwave.capture.store import DTYPES
 from actwave.config import cache_dir, results_dir as results_dir_of
-from actwave.decoding import evaluate
+from actwave.decoding import evaluate, fastpath
 from actwave.study import report, runs
 
 logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
@@ -67,10 +71,12 @@ for name in model_names:
         model=name, dtype=capture_dtype, benchmarks=tuple(decode_benchmarks.split(",")),
         n_prompts=decode_prompts, max_turns=2, max_new_tokens=decode_new_tokens, mode="chain",
         depth=config.depth, peers=False, n_bootstrap=n_bootstrap, seed=seed)
-    result = evaluate.evaluate(target, tokenizer, drafts, eval_config,
-                               model_zoo.stop_token_ids(tokenizer, name), out_dir=out,
-                               run_name="09_decoding")
-    summaries.append(result["summary"].assign(model=name))
+    comparison = fastpath.compare(target, tokenizer, drafts, eval_config,
+                                  model_zoo.stop_token_ids(tokenizer, name), routes=routes,
+                                  acceptance_prompts=acceptance_prompts, out_dir=out,
+                                  run_name="09_decoding")
+    result = comparison.runs["fixed"]  # the chain of depth K: the offline walk's decoding
+    summaries.append(comparison.summary().assign(model=name))
     agreement += [{"model": name, **report.offline_vs_decoding(chosen[label], result["records"],
                                                                label)}
                   for label in chosen]

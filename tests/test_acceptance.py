@@ -7,8 +7,10 @@ from actwave.capture.forward import hidden_states
 from actwave.decoding.acceptance import (decode_walk, leading_hits, root_mask, sequence_acceptance,
                                          tau_hat)
 from actwave.decoding.speculative import generate, greedy_generate
+from actwave.decoding.tree import TreeShape
 from actwave.eagle3 import Eagle3Draft
 from actwave.eagle3.ttt import TTTLoss
+from actwave.eagle3.vocab import draft_target_ids
 from conftest import tiny_model
 
 LAYERS = (1, 2, 4)
@@ -22,14 +24,17 @@ def text_features(target, sequence: torch.Tensor, layers=LAYERS):
     return torch.cat([states[i, 0] for i in layers], dim=-1), logits.argmax(-1)
 
 
-def fitted_draft(target, sequence: torch.Tensor, steps: int = 40, seed: int = 0):
-    """A draft overfitted (TTT loss) to the target on one text, so acceptance is long but
-    imperfect: the equality test then exercises rounds of every length."""
+def fitted_draft(target, sequence: torch.Tensor, steps: int = 40, seed: int = 0, layers=LAYERS,
+                 make=None):
+    """A draft (``make()``, else a random-head one on ``layers``) overfitted (TTT loss) to
+    the target on one text, so acceptance is long but imperfect: the equality test then
+    exercises rounds of every length."""
     torch.manual_seed(seed)
-    draft = Eagle3Draft.from_target(target, LAYERS, lm_head_init="random")
-    states, argmax = text_features(target, sequence)
+    draft = make() if make else Eagle3Draft.from_target(target, layers, lm_head_init="random")
+    states, argmax = text_features(target, sequence, layers)
     with torch.no_grad():
-        probs = torch.softmax(target(input_ids=sequence[None]).logits.float(), -1)  # (1, L, V)
+        logits = target(input_ids=sequence[None]).logits.float()  # (1, L, V)
+        probs = torch.softmax(logits[..., draft_target_ids(draft.d2t)], -1)  # (1, L, V_draft)
     loss_fn = TTTLoss(draft, ttt_steps=3)
     optimizer = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
     label_mask = torch.ones(1, sequence.numel(), dtype=torch.bool)
@@ -52,8 +57,8 @@ def greedy_case():
     return target, prompt, sequence, fitted_draft(target, sequence)
 
 
-def offline(draft, target, sequence, prompt_len, depth, top_k=1):
-    states, argmax = text_features(target, sequence)
+def offline(draft, target, sequence, prompt_len, depth, top_k=1, layers=LAYERS):
+    states, argmax = text_features(target, sequence, layers)
     in_reply = torch.arange(sequence.numel()) >= prompt_len
     return sequence_acceptance(draft, states, sequence, argmax, in_reply, depth, top_k)
 
@@ -62,7 +67,7 @@ def offline(draft, target, sequence, prompt_len, depth, top_k=1):
 def test_walk_equals_chain_decoding_tau(greedy_case, depth):
     target, prompt, sequence, draft = greedy_case
     n_new = sequence.numel() - prompt.shape[1]
-    spec = generate(target, draft, prompt, n_new, mode="chain", depth=depth)
+    spec = generate(target, draft, prompt, n_new, shape=TreeShape("chain", depth=depth))
     assert spec.tokens == sequence[prompt.shape[1]:].tolist()
     result = offline(draft, target, sequence, prompt.shape[1], depth)
     accepted_at = dict(zip(result.roots.tolist(), result.accepted.tolist()))

@@ -1,5 +1,6 @@
 """``python -m actwave select`` on a tiny random Llama saved to a folder with its own tiny
 byte-level BPE tokenizer (no real model needed)."""
+import csv
 import json
 import re
 import subprocess
@@ -69,18 +70,39 @@ def test_select_prints_sets_percentiles_and_engine_ids(model_folder, tmp_path, c
     assert 0 < filtered["n_tokens"] < result["token_sets"]["all tokens"]["n_tokens"]
     labels = {row["label"] for row in filtered["methods"]}
     assert {"renyi2_exhaustive", "eagle3_default", "mrmr", "cka_farthest"} <= labels
-    recommended, default = result["picks"]["recommended"], result["picks"]["eagle3_default"]
-    assert recommended["renyi2_pct"] == 100.0  # the exhaustive argmax of that very score
+    top, default = result["picks"]["top_proxy"], result["picks"]["eagle3_default"]
+    assert top["renyi2_pct"] == 100.0  # the exhaustive argmax of that very score
     assert default["layers"] == [2, 4, 5] and 0 < default["renyi2_pct"] <= 100
-    for name, row in result["picks"].items():
-        for engine, entry in result["engine_ids"][name].items():
-            if "ids" in entry:  # each engine's own rule reads the ids as the chosen layers
-                assert list(engine_reads(engine, entry["ids"], NUM_LAYERS)) == row["layers"]
-    assert result["engine_ids"]["eagle3_default"]["sglang>=pr25454"] == {"ids": [1, 3, 4]}
+    assert result["recommendation"]["layers"] == default["layers"]  # not the proxy pick
+    assert list(result["engine_ids"]) == ["recommended"]  # exports: the recommended set only
+    for engine, entry in result["engine_ids"]["recommended"].items():
+        if "ids" in entry:  # each engine's own rule reads the ids as the chosen layers
+            assert list(engine_reads(engine, entry["ids"], NUM_LAYERS)) == default["layers"]
+    assert result["engine_ids"]["recommended"]["sglang>=pr25454"] == {"ids": [1, 3, 4]}
     assert set(result["engine_ids"]["recommended"]) == set(ENGINES)
     assert f"EAGLE-3 default                    {tuple(default['layers'])}" in printed
     assert "[1, 3, 4]" in printed and "sglang>=pr25454" in printed
-    assert f"renyi2_exhaustive         {tuple(recommended['layers'])}" in printed
+    assert f"renyi2_exhaustive         {tuple(top['layers'])}" in printed
+    assert f"RECOMMENDATION: {tuple(default['layers'])} (eagle3_default)" in printed
+
+
+def test_select_says_what_the_proxies_are_evidence_of(model_folder, tmp_path, capsys):
+    """Without --validate: the proxies are no evidence of acceptance, the study's committed
+    tables are cited (read at run time), and the default is recommended."""
+    result = run(model_folder, tmp_path)
+    printed = capsys.readouterr().out
+    assert "not draft acceptance" in printed and "no validation run" in printed
+    assert result["evidence"][0].startswith("The proxies")
+    # the tiny model is outside the study: every bundled model's committed result is cited
+    assert "The study has no result for tiny-select-llama" in printed
+    table = Path(__file__).parents[1] / "results/study/10_sets_vs_default_smollm2-135m.csv"
+    row = next(r for r in csv.DictReader(table.open()) if r["label"].endswith("@filtered")
+               and r["label"].startswith("renyi2_exhaustive"))
+    assert "results/study/10_sets_vs_default_smollm2-135m.csv" in printed
+    assert (f"renyi2_exhaustive@filtered ({row['layer_ids']}): Δτ̂ "
+            f"{float(row['vs_default_diff']):+.4f} [95% CI {float(row['vs_default_ci_low']):+.4f}, "
+            f"{float(row['vs_default_ci_high']):+.4f}]") in printed
+    assert "smollm2-135m: no proxy ranks trained drafts" in printed
 
 
 def test_select_rerun_reads_the_cache_and_other_k(model_folder, tmp_path, monkeypatch, capsys):
@@ -92,9 +114,11 @@ def test_select_rerun_reads_the_cache_and_other_k(model_folder, tmp_path, monkey
     assert "eagle3_default" not in result["picks"]  # EAGLE-3's default exists for k = 3 only
     labels = [row["label"] for row in result["token_sets"]["all tokens"]["methods"]]
     assert sorted(labels) == ["mrmr", "renyi2_exhaustive"]  # the recommended one always runs
-    assert len(result["picks"]["recommended"]["layers"]) == 2 and result["n_subsets"] == 28
-    assert list(result["engine_ids"]["recommended"]) == ["vllm>=pr36063"]
-    assert "D eagle3_default" not in capsys.readouterr().out
+    assert len(result["picks"]["top_proxy"]["layers"]) == 2 and result["n_subsets"] == 28
+    assert result["recommendation"] is None  # no default to recommend for k = 2
+    assert list(result["engine_ids"]["top_proxy (unvalidated)"]) == ["vllm>=pr36063"]
+    printed = capsys.readouterr().out
+    assert "D eagle3_default" not in printed and "RECOMMENDATION: none" in printed
 
 
 def test_k_beyond_the_models_layers_is_refused(model_folder, capsys):
@@ -110,6 +134,11 @@ def test_k_beyond_the_models_layers_is_refused(model_folder, capsys):
     (["--filter-quantile", "1.5"], r"--filter-quantile must be in \[0, 1\), got 1.5"),
     (["--max-tokens", "2"], "--max-tokens must be 0"),
     (["--engine", "sglang"], "invalid choice: 'sglang'"),
+    (["--validate", "--candidates", "0"], "--candidates must be ≥ 1, got 0"),
+    (["--validate", "--seeds", "1"], "--seeds must be ≥ 3 .*got 1"),
+    (["--validate", "--budget", "0"], "--budget must be ≥ 1 training step, got 0"),
+    (["--validate", "--k", "2"], "--validate compares with the EAGLE-3 default.*got 2"),
+    (["--validate", "--alpha", "0.5"], r"--alpha must be in \(0, 0.5\).*got 0.5"),
 ])
 def test_bad_arguments_are_refused_before_any_work(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -130,3 +159,34 @@ def test_module_entry_point_runs():
     done = subprocess.run([sys.executable, "-m", "actwave", "select", "--help"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "--filter-quantile" in done.stdout
+
+
+def test_help_lists_every_subcommand():
+    done = subprocess.run([sys.executable, "-m", "actwave", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    for name in ("select", *cli.DELEGATES):
+        assert re.search(rf"^\s+{name}\s", done.stdout, re.M), f"{name} not in actwave --help"
+
+
+@pytest.mark.parametrize("command", ["select", *cli.DELEGATES])
+def test_every_subcommand_has_its_own_help(command, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # bench's run_all.py adds benchmarks/
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_console_script_is_the_cli():
+    import tomllib
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"] == {"actwave": "actwave.tools.cli:main"}
+
+
+def test_delegates_pass_their_arguments_and_exit_status(monkeypatch):
+    from actwave.tools import compare
+    seen = []
+    monkeypatch.setattr(compare, "main", lambda argv: seen.append(argv) or 3)
+    assert cli.main(["compare", "--profile", "study"]) == 3
+    assert seen == [["--profile", "study"]]

@@ -51,7 +51,7 @@ def test_float32_speculative_equals_greedy_on_cuda(mode):
     target = tiny_model().cuda()
     ids = prompt().cuda()
     expected = greedy_generate(target, ids, 32).tokens
-    result = generate(target, random_draft(target).cuda(), ids, 32, **SETTINGS[mode])
+    result = generate(target, random_draft(target).cuda(), ids, 32, shape=SETTINGS[mode])
     assert result.tokens == expected
     assert sum(result.accept_counts) == result.target_forwards - 1
 
@@ -61,6 +61,6 @@ def test_bfloat16_speculative_runs_on_cuda():
     target = tiny_model().cuda().to(torch.bfloat16)
     ids = prompt().cuda()
     result = generate(target, random_draft(target).cuda().to(torch.bfloat16), ids, 16,
-                      **SETTINGS["tree"])
+                      shape=SETTINGS["tree"])
     assert len(result.tokens) == 16
     assert sum(result.accept_counts) == result.target_forwards - 1

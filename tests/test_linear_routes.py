@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from actwave.decoding import costmodel, linear_routes
 from actwave.decoding.linear_routes import ROUTE_FUNCTIONS, ROUTES, RouteTable
 from actwave.decoding.speculative import generate, greedy_generate
+from actwave.decoding.tree import TreeShape
 from actwave.eagle3 import Eagle3Draft
 
 
@@ -101,13 +102,12 @@ def test_speculative_under_routes_equals_greedy(target, route, mode):
     torch.manual_seed(0)
     draft = Eagle3Draft.from_target(target, (1, 2, 4), draft_vocab_size=96).eval()
     stock = greedy_generate(target, ids, 20).tokens
-    settings = dict(mode="chain", depth=4) if mode == "chain" else dict(mode="tree", depth=3,
-                                                                         top_k=3, total_tokens=8)
+    shape = TreeShape("chain", depth=4) if mode == "chain" else TreeShape("tree", 3, 3, 8)
     rows = list(linear_routes.ROW_COUNTS)
     with linear_routes.use_routes(target, table_of(route, rows)), \
             linear_routes.use_routes(draft, table_of(route, rows)):
         assert greedy_generate(target, ids, 20).tokens == stock
-        assert generate(target, draft, ids, 20, **settings).tokens == stock
+        assert generate(target, draft, ids, 20, shape=shape).tokens == stock
 
 
 def test_cost_curve_key_names_the_routes(llama):

@@ -98,3 +98,29 @@ def test_unknown_profile_and_model_are_refused(capsys):
     assert "unknown profile 'nope'" in capsys.readouterr().err
     assert plan.main(["--model", "no-such-model"]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_study_plan_prints_the_study_steps_with_times(tiny_config, capsys):
+    from actwave.tools import cli
+    code = cli.main(["plan", "--model", tiny_config, "--profile", "study", "--memory-gib", "8",
+                     "--disk-gib", "10"])
+    out = capsys.readouterr()
+    assert code == 0 and out.err == ""
+    rows = {line[2:36].strip(): line for line in out.out.splitlines() if line.startswith("  ")}
+    for step in ("08 regenerate train + eval replies", "08 capture train store",
+                 "09 decoding check", "10 study report", "11 filter variants",
+                 "11 compartment bootstrap"):
+        assert step in rows, f"{step} missing from the study plan"
+    assert any(step.startswith("08 train ≤ ") for step in rows)
+    assert not any(step[:2] in {"01", "06", "07"} for step in rows)
+    total = rows["total time"].split()[2:4]
+    assert float(total[0]) > 0 and total[1] in {"s", "min", "h"}
+
+
+def test_plan_without_model_covers_the_profiles_models(tiny_config, monkeypatch, capsys):
+    shape = plan.model_shape(tiny_config)
+    monkeypatch.setattr(plan, "model_shape", lambda name: plan.Shape(name, *list(vars(shape).values())[1:]))
+    assert plan.main(["--profile", "study", "--memory-gib", "8", "--disk-gib", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "plan · smollm2-135m" in out and "plan · gemma3-270m" in out
+    assert out.count("08 train ≤ ") == 2

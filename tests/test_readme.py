@@ -1,13 +1,28 @@
-"""The README's results tables hold only numbers that a committed results table holds."""
+"""The README and docs/: results tables hold only numbers that a committed results table
+holds; the README stays short and its links into docs/ resolve."""
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
-DECIMAL = re.compile(r"(?<![\w.])-?\d+\.\d+")
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+DECIMAL = re.compile(r"(?<![\w.])-?\d+\.\d+(?!\d*e-?\d)")  # not a mantissa: 7.5e-14
+MAX_README_LINES = 350
+# a block marked <!-- NAME:start --> … <!-- NAME:end --> holds numbers of this results folder
+BLOCK_FOLDERS = {"results": "results/cpu", "study": "results/study",
+                 "benchmarks": "results/benchmarks"}
+LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def results_block(readme: str, name: str = "results") -> str:
     return readme.split(f"<!-- {name}:start -->", 1)[1].split(f"<!-- {name}:end -->", 1)[0]
+
+
+def marked_blocks(text: str) -> list[tuple[str, str]]:
+    """(name, text) of every marked block, in order."""
+    names = "|".join(BLOCK_FOLDERS)
+    return re.findall(rf"<!-- ({names}):start -->(.*?)<!-- \1:end -->", text, re.S)
 
 
 def table_decimals(block: str) -> list[str]:
@@ -32,7 +47,7 @@ def unbacked(printed: list[str], values: list[float]) -> list[str]:
 
 def test_readme_result_tables_come_from_the_cpu_tables():
     printed = table_decimals(results_block((ROOT / "README.md").read_text()))
-    assert len(printed) > 20  # the block has its tables
+    assert len(printed) >= 4  # the block has its table (the rest: docs/PROFILES.md)
     missing = unbacked(printed, committed_values(ROOT / "results" / "cpu"))
     assert not missing, f"README numbers in no results/cpu table: {missing}"
 
@@ -49,3 +64,73 @@ def test_readme_study_numbers_come_from_the_study_tables():
 def test_a_number_no_table_holds_is_caught():
     assert unbacked(["0.153", "1.29"], [0.15312, 1.2857]) == []
     assert unbacked(["0.154"], [0.15312]) == ["0.154"]
+
+
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors of the Markdown headings outside code blocks: lower case, spaces to
+    hyphens, punctuation other than hyphens and underscores dropped."""
+    anchors, fence = set(), False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and re.match(r"#{1,6} ", line):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def broken_links(path: Path) -> list[str]:
+    """The relative links of a Markdown file whose file or #anchor does not exist."""
+    text, broken = path.read_text(), []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto: not checked offline
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        if not linked.exists() or (anchor and linked.suffix == ".md"
+                                   and anchor not in heading_anchors(linked.read_text())):
+            broken.append(target)
+    return broken
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= MAX_README_LINES, f"README has {len(lines)} lines (at most {MAX_README_LINES})"
+
+
+def test_readme_links_into_docs_resolve():
+    readme = (ROOT / "README.md").read_text()
+    assert {"docs/METHODS.md", "docs/PROFILES.md", "docs/STUDY.md", "docs/BENCHMARKS.md",
+            "docs/OWN_MODEL.md", "docs/FAULTS.md"} <= {t.partition("#")[0] for t in LINK.findall(readme)}
+    assert broken_links(ROOT / "README.md") == []
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
+def test_docs_links_resolve(path):
+    assert broken_links(path) == []
+
+
+def test_anchors_follow_github():
+    assert heading_anchors("## 16. Offline acceptance (`actwave.decoding.acceptance`)\n```\n# x\n```") \
+        == {"16-offline-acceptance-actwavedecodingacceptance"}
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
+def test_docs_results_tables_come_from_committed_tables(path):
+    for name, block in marked_blocks(path.read_text()):
+        printed = table_decimals(block) if name != "study" else DECIMAL.findall(block)
+        missing = unbacked(printed, committed_values(ROOT / BLOCK_FOLDERS[name]))
+        assert not missing, f"{path.name} {name} block: numbers in no {BLOCK_FOLDERS[name]} table: {missing}"
+
+
+def test_docs_mark_their_results_tables():
+    marked = {(path.name, name) for path in DOCS for name, _ in marked_blocks(path.read_text())}
+    assert {("STUDY.md", "study"), ("BENCHMARKS.md", "benchmarks"), ("PROFILES.md", "results")} <= marked
+
+
+def test_readme_layout_names_every_notebook_and_no_test_count():
+    readme = (ROOT / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    last = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))[-1].stem
+    assert last in layout, f"the Layout's notebooks stop before {last}"
+    assert not re.search(r"\b\d+ passed\b", readme), "the README states a test count"

@@ -9,19 +9,19 @@ import torch
 from scipy.stats import chisquare
 from transformers import DynamicCache
 
-from actwave.decoding.costmodel import CostCurve
-from actwave.decoding.evaluate import (EvalConfig, acceptance_by_position, bootstrap_ci,
-                                       build_methods, evaluate, read_selection_scores, run_item,
-                                       summarize, tau_vs_scores)
+from actwave.decoding.costmodel import CostCurve, auto_shape
+from actwave.decoding.evaluate import EvalConfig, build_methods, evaluate, run_item
+from actwave.decoding.report import (acceptance_by_position, bootstrap_ci, read_selection_scores,
+                                     summarize, tau_vs_scores)
 from actwave.decoding.speculative import (accept_greedy, generate, greedy_generate, keep_cache_rows,
                                           packed_gqa_attention)
 from actwave.decoding.timing import SectionClock
-from actwave.decoding.tree import DraftTree, ancestor_mask, build_tree, target_tree_mask
+from actwave.decoding.tree import DraftTree, TreeShape, ancestor_mask, build_tree, target_tree_mask
 from actwave.eagle3 import Eagle3Draft
 from conftest import tiny_model
 
-SETTINGS = {"chain": dict(mode="chain", depth=5),
-            "tree": dict(mode="tree", depth=4, top_k=3, total_tokens=10)}
+SETTINGS = {"chain": TreeShape("chain", depth=5),
+            "tree": TreeShape("tree", depth=4, top_k=3, total_tokens=10)}
 
 
 # Sliding window 6 < sequence length, mixed layer types: exercises the dict tree mask.
@@ -94,7 +94,7 @@ def prompt(seed=3, length=9):
 def test_random_draft_matches_greedy(target, mode):
     ids = prompt()
     expected = greedy_generate(target, ids, 24).tokens
-    result = generate(target, random_draft(target), ids, 24, **SETTINGS[mode])
+    result = generate(target, random_draft(target), ids, 24, shape=SETTINGS[mode])
     assert result.tokens == expected
     assert sum(result.accept_counts) == result.target_forwards - 1
     assert result.tau == pytest.approx(23 / (result.target_forwards - 1))
@@ -113,13 +113,14 @@ def flat_costs(n_max=16, width=4):
 def test_auto_tree_matches_greedy_and_reports_its_shape(target, acceptance, mode):
     ids = prompt(seed=4)
     expected = greedy_generate(target, ids, 30).tokens
-    result = generate(target, oracle_draft(target, ids, swap_every=3), ids, 30, tree="auto",
-                      acceptance=acceptance, costs=flat_costs())
+    draft = oracle_draft(target, ids, swap_every=3)
+    shape = auto_shape(target, draft, acceptance, costs=flat_costs())
+    result = generate(target, draft, ids, 30, shape=shape)
     assert result.tokens == expected
-    assert result.shape["tree"] == "auto" and result.shape["mode"] == mode
-    assert result.shape["depth"] == 3 and result.shape["predicted_speedup"] > 1
+    assert result.shape == shape and shape.mode == mode
+    assert shape.depth == 3 and shape.predicted_speedup > 1
     if mode == "tree":
-        assert result.shape["top_k"] == 4 and result.shape["total_tokens"] > 4
+        assert shape.top_k == 4 and shape.total_tokens > 4
         assert sum(result.accept_counts[2:]) > 0
 
 
@@ -142,9 +143,9 @@ def test_packed_gqa_attention_equals_repeated_heads():
 def test_oracle_draft_long_acceptance_matches_greedy(target, mode, swap_every):
     ids = prompt(seed=4)
     expected = greedy_generate(target, ids, 30).tokens
-    result = generate(target, oracle_draft(target, ids, swap_every), ids, 30, **SETTINGS[mode])
+    result = generate(target, oracle_draft(target, ids, swap_every), ids, 30, shape=SETTINGS[mode])
     assert result.tokens == expected
-    depth = SETTINGS[mode]["depth"]
+    depth = SETTINGS[mode].depth
     if swap_every:  # every 3 consecutive positions hold a swap: runs of 3 take a 2nd sibling
         assert sum(result.accept_counts[3:]) > 0 and result.tau > 2.5
     else:  # a perfect draft fills every round (the last one may be cut by max length)
@@ -155,7 +156,7 @@ def test_oracle_draft_long_acceptance_matches_greedy(target, mode, swap_every):
 def test_chain_rejections_with_swapped_oracle(llama):
     ids = prompt(seed=4)
     expected = greedy_generate(llama, ids, 30).tokens
-    result = generate(llama, oracle_draft(llama, ids, swap_every=3), ids, 30, mode="chain", depth=5)
+    result = generate(llama, oracle_draft(llama, ids, swap_every=3), ids, 30, shape=TreeShape("chain", depth=5))
     assert result.tokens == expected
     assert 1.0 < result.tau < 5.0  # some rounds stop at the swapped position
 
@@ -168,7 +169,7 @@ def test_stops_at_eos_inside_an_accepted_run(llama, mode):
     first = reference.index(eos)
     expected = greedy_generate(llama, ids, 30, eos_token_ids=[eos]).tokens
     assert expected == reference[: first + 1]
-    result = generate(llama, oracle_draft(llama, ids), ids, 30, eos_token_ids=[eos], **SETTINGS[mode])
+    result = generate(llama, oracle_draft(llama, ids), ids, 30, eos_token_ids=[eos], shape=SETTINGS[mode])
     assert result.tokens == expected
 
 
@@ -176,7 +177,7 @@ def test_stops_at_eos_inside_an_accepted_run(llama, mode):
 def test_max_new_tokens_cuts_inside_a_round(llama, max_new_tokens):
     ids = prompt(seed=4)
     expected = greedy_generate(llama, ids, max_new_tokens).tokens
-    result = generate(llama, oracle_draft(llama, ids), ids, max_new_tokens, mode="chain", depth=5)
+    result = generate(llama, oracle_draft(llama, ids), ids, max_new_tokens, shape=TreeShape("chain", depth=5))
     assert result.tokens == expected and len(expected) == max_new_tokens
 
 
@@ -268,7 +269,7 @@ def test_sampling_preserves_target_distribution(mode):
     counts = np.zeros((2, 8))
     accepted_any = 0
     for seed in range(runs):
-        result = generate(target, draft, ids, 3, mode=mode, depth=2, top_k=3, total_tokens=6,
+        result = generate(target, draft, ids, 3, shape=TreeShape(mode, 2, 3, 6),
                           temperature=1.0, seed=seed)
         counts[0, result.tokens[1]] += 1
         counts[1, result.tokens[2]] += 1
@@ -302,16 +303,33 @@ def test_bad_inputs_are_refused(llama, ids, max_new, match):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(mode="beam"), "mode must be one of"), (dict(depth=0), "depth must be an int >= 1"),
-    (dict(total_tokens=1), "total_tokens must be an int >= 2"),
     (dict(temperature=-1.0), "temperature must be >= 0"),
-    (dict(tree="best"), "tree must be one of"),
-    (dict(tree="auto"), "tree='auto' needs acceptance="),
-    (dict(tree="auto", acceptance=[0.5, -0.1]), r"acceptance\[1\] must be"),
+    (dict(shape={"mode": "tree"}), "shape must be a TreeShape"),
 ])
 def test_bad_settings_are_refused(llama, kwargs, match):
     with pytest.raises(ValueError, match=match):
         generate(llama, random_draft(llama), prompt(), 4, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mode="beam"), "mode must be one of"), (dict(depth=0), "depth must be an int >= 1"),
+    (dict(total_tokens=1), "total_tokens must be an int >= 2"),
+])
+def test_bad_tree_shapes_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TreeShape(**kwargs)
+
+
+def test_chain_shape_fixes_its_width():
+    assert TreeShape("chain", depth=5).settings() == dict(mode="chain", depth=5, top_k=1,
+                                                           total_tokens=6)
+
+
+@pytest.mark.parametrize("acceptance,match", [
+    (None, "auto_shape needs acceptance"), ([0.5, -0.1], r"acceptance\[1\] must be")])
+def test_auto_shape_refuses_bad_acceptance(llama, acceptance, match):
+    with pytest.raises(ValueError, match=match):
+        auto_shape(llama, random_draft(llama), acceptance, costs=flat_costs())
 
 
 # ----------------------------------------------------------------------------- harness

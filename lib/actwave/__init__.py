@@ -7,11 +7,12 @@ speculative decoding). One subpackage per stage, in pipeline order:
 - ``stats``    per-layer entropy and CKA, layer selection and its reports, sensitivity
 - ``eagle3``   the draft: config, layers, model, vocabulary, TTT training, engine exports
 - ``decoding`` speculative decoding, draft trees, timing, cost model, acceptance, evaluation
+               and its report
 - ``study``    the layer-set study: runs and records, statistics, report
 
 Shared by every stage: ``config`` (artifact keys, atomic writes), ``integrity``
 (verified artifacts, writer locks), ``index`` (notebook hand-over files), ``plots``
-(tables, figures, manifests). ``tools``: the command lines (``python -m actwave select``,
-``reproduce.sh``'s runner, step log and ``--compare``).
+(tables, figures, manifests). ``tools``: the ``actwave`` command (``tools.cli``: select,
+plan, run, compare, train, bench), ``reproduce.sh``'s runner, step log and ``--compare``.
 """
 __version__ = "0.1.0"

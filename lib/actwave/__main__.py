@@ -1,4 +1,4 @@
-"""``python -m actwave <command>``: see ``actwave.tools.cli``."""
+"""``python -m actwave <command>`` = the ``actwave`` command: see ``actwave.tools.cli``."""
 import sys
 
 from actwave.tools.cli import main

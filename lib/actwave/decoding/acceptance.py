@@ -38,12 +38,15 @@ class SequenceAcceptance:
     """Acceptance of one sequence's rounds.
 
     accepted: (R,) int, leading hits per root; reached: (K,) int, roots whose chain
-    reached step i (Π_{j≤i} hit_j summed over roots); roots: (R,) positions c of the roots.
+    reached step i (Π_{j≤i} hit_j summed over roots); roots: (R,) positions c of the roots;
+    step_hits: (K,) int, roots whose step-i proposal is a hit whatever the earlier steps
+    did (the per-TTT-step agreement on greedy text).
     """
 
     accepted: torch.Tensor
     reached: torch.Tensor
     roots: torch.Tensor
+    step_hits: torch.Tensor | None = None
 
     @property
     def n_roots(self) -> int:
@@ -118,7 +121,8 @@ def sequence_acceptance(draft, target_states: torch.Tensor, input_ids: torch.Ten
         reached = hits.long().cumprod(dim=-1)[rounds].sum(dim=0)  # (K,)
         results.append(SequenceAcceptance(accepted=leading_hits(hits[rounds]).cpu(),
                                           reached=reached.cpu(),
-                                          roots=(rounds.nonzero().squeeze(1) + 1).cpu()))
+                                          roots=(rounds.nonzero().squeeze(1) + 1).cpu(),
+                                          step_hits=hits[rounds].long().sum(dim=0).cpu()))
     return results[0] if isinstance(top_k, int) else tuple(results)
 
 

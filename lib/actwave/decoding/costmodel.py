@@ -195,7 +195,7 @@ def auto_shape(target, draft, acceptance, costs: CostCurve | None = None) -> Tre
     ``CostCurve``, else ``load_or_measure``.
     """
     if acceptance is None:
-        raise ValueError("tree='auto' needs acceptance=: the draft's per-depth reach "
+        raise ValueError("auto_shape needs acceptance: the draft's per-depth reach "
                          "probabilities on held-out text (a list, or {top_k: list}), e.g. "
                          "from actwave.decoding.acceptance")
     p = rank_acceptance(acceptance)

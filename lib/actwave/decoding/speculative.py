@@ -20,12 +20,12 @@ One round (EAGLE, Li et al. 2024/2025; loop structure after gpt-fast's
 τ = tokens emitted by verification rounds / verification rounds (bonus included, the
 prefill token excluded), as in EAGLE's evaluation.
 
-``tree="auto"`` picks depth, top-k and tree size from the target's measured verification
-cost curve and the draft's per-depth acceptance (``actwave.decoding.costmodel``).
+The tree is one ``TreeShape`` argument; ``actwave.decoding.costmodel.auto_shape`` picks one
+from the target's measured verification cost curve and the draft's per-depth acceptance
+(the caller resolves it: this module does not import the cost model).
 """
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,10 +37,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from actwave.capture.forward import forward_with_states
 from actwave.decoding.timing import SectionClock
-from actwave.decoding.tree import DraftTree, build_tree, target_tree_mask
+from actwave.decoding.tree import DraftTree, TreeShape, build_tree, target_tree_mask
 
-MODES = ("tree", "chain")
-TREES = ("fixed", "auto")
 SECTIONS = ("prefill", "catch_up", "tree", "verify", "accept")
 PACKED_ATTENTION = "actwave_packed_gqa"
 
@@ -50,7 +48,7 @@ class SpecResult:
     """tokens: new ids (stopping at and including EOS); accept_counts[a] = rounds that
     accepted a draft tokens; timings in seconds per section (``SECTIONS``: prefill, draft
     catch-up, tree drafting, verification forward, acceptance + cache bookkeeping) and
-    total; shape: the tree settings used (with the cost model's prediction when auto)."""
+    total; shape: the tree used (with the cost model's prediction when it picked it)."""
 
     tokens: list[int]
     tau: float
@@ -58,7 +56,7 @@ class SpecResult:
     target_forwards: int
     draft_forwards: int
     timings: dict[str, float] = field(default_factory=dict)
-    shape: dict = field(default_factory=dict)
+    shape: TreeShape = field(default_factory=TreeShape)
 
 
 @dataclass
@@ -82,15 +80,7 @@ def _check_inputs(input_ids, max_new_tokens: int) -> None:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
 
 
-def _check_settings(mode: str, depth: int, top_k: int, total_tokens: int, temperature: float,
-                    tree: str) -> None:
-    if tree not in TREES:
-        raise ValueError(f"tree must be one of {TREES}, got {tree!r}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    for name, value, low in (("depth", depth, 1), ("top_k", top_k, 1), ("total_tokens", total_tokens, 2)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+def _check_temperature(temperature: float) -> None:
     if not temperature >= 0.0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
 
@@ -249,20 +239,15 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *, mode: str = "tree",
-             depth: int = 6, top_k: int = 8, total_tokens: int = 32, temperature: float = 0.0,
-             eos_token_ids: Sequence[int] = (), seed: int = 0, tree: str = "fixed",
-             acceptance=None, costs=None) -> SpecResult:
+def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *,
+             shape: TreeShape = TreeShape(), temperature: float = 0.0,
+             eos_token_ids: Sequence[int] = (), seed: int = 0) -> SpecResult:
     """Speculative decoding of ``input_ids`` (1, T) with an EAGLE-3 ``draft`` of ``target``.
 
-    mode "chain": ``depth`` draft tokens per round (top-1 / one draw each); "tree": EAGLE-2
-    dynamic tree, ``top_k`` children per expanded node, ``depth`` levels,
-    ``total_tokens`` tree tokens including the root. temperature 0: output equals greedy
-    decoding of the target; > 0: output is distributed as the target's sampling.
-    tree "auto": mode, depth, top_k and total_tokens are chosen by ``actwave.decoding.costmodel``
-    from ``acceptance`` (the draft's per-depth reach probabilities: a list, or {top_k:
-    list}) and ``costs`` (a ``CostCurve``; measured once and cached when None); the
-    choice is in ``result.shape``.
+    shape: the draft tree (``TreeShape``: chain or EAGLE-2 dynamic tree; the default is the
+    fixed tree; ``actwave.decoding.costmodel.auto_shape`` picks one for this draft and
+    machine). temperature 0: output equals greedy decoding of the target; > 0: output is
+    distributed as the target's sampling. The shape used is ``result.shape``.
     """
     _check_inputs(input_ids, max_new_tokens)
     vocab_size = target.get_input_embeddings().weight.shape[0]
@@ -270,18 +255,10 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *, mod
         raise ValueError(f"input_ids must be integer token ids in 0..{vocab_size - 1} (the "
                          f"target's vocabulary), got {input_ids.dtype} values "
                          f"{int(input_ids.min())}..{int(input_ids.max())}")
-    _check_settings(mode, depth, top_k, total_tokens, temperature, tree)
+    if not isinstance(shape, TreeShape):
+        raise ValueError(f"shape must be a TreeShape, got {type(shape).__name__}")
+    _check_temperature(temperature)
     draft.check_target(target)
-    shape = dict(mode=mode, depth=depth, top_k=top_k, total_tokens=total_tokens)
-    if tree == "auto":
-        # imported here: costmodel imports this module to time its round steps
-        from actwave.decoding.costmodel import auto_shape
-        chosen = auto_shape(target, draft, acceptance, costs)
-        shape = {**dataclasses.asdict(chosen), "tree": "auto"}
-        mode, depth, top_k, total_tokens = (chosen.mode, chosen.depth, chosen.top_k,
-                                            chosen.total_tokens)
-    if mode == "chain":
-        top_k, total_tokens = 1, depth + 1
     device, eos = input_ids.device, set(int(t) for t in eos_token_ids)
     generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
     clock = SectionClock(device, SECTIONS)
@@ -301,8 +278,8 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *, mod
                     draft_cache, logits_to_keep=1)
         tick = clock.lap("catch_up", tick)
         drafted, expansions = build_tree(draft, draft_cache, tokens[-1], out.logits[0, -1],
-                                         out.hidden[0, -1], depth=depth, top_k=top_k,
-                                         total_tokens=total_tokens, temperature=temperature,
+                                         out.hidden[0, -1], depth=shape.depth, top_k=shape.top_k,
+                                         total_tokens=shape.total_tokens, temperature=temperature,
                                          generator=generator)
         draft_forwards += 1 + expansions
         tick = clock.lap("tree", tick)

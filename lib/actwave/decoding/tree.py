@@ -233,21 +233,43 @@ def _finalise(candidates: _Candidates, kept: list[int], child_logq: dict, device
 
 
 # ----------------------------------------------------------------------------- tree sizing
+MODES = ("tree", "chain")
+
+
 @dataclass(frozen=True)
 class TreeShape:
-    """A tree setting and what the cost model expects of it per verification round:
-    tokens emitted (1 + expected accepted), seconds, and tokens/s ÷ greedy tokens/s."""
+    """The draft tree of one speculative-decoding run, and what the cost model expects of it
+    per verification round (NaN when not predicted): tokens emitted (1 + expected
+    accepted), seconds, and tokens/s ÷ greedy tokens/s.
 
-    mode: str
-    depth: int
-    top_k: int
-    total_tokens: int
-    expected_tokens: float
-    round_seconds: float
-    predicted_speedup: float
+    mode "chain": ``depth`` draft tokens per round (``top_k`` and ``total_tokens`` follow:
+    1 and depth + 1); "tree": EAGLE-2 dynamic tree, ``top_k`` children per expanded node,
+    ``depth`` levels, ``total_tokens`` tree tokens including the root. The default is the
+    fixed tree; ``actwave.decoding.costmodel.auto_shape`` picks one for a draft and machine.
+    """
+
+    mode: str = "tree"
+    depth: int = 6
+    top_k: int = 8
+    total_tokens: int = 32
+    expected_tokens: float = float("nan")
+    round_seconds: float = float("nan")
+    predicted_speedup: float = float("nan")
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name, low in (("depth", 1), ("top_k", 1), ("total_tokens", 2)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if self.mode == "chain":
+            object.__setattr__(self, "top_k", 1)
+            object.__setattr__(self, "total_tokens", self.depth + 1)
 
     def settings(self) -> dict:
-        """The ``speculative.generate`` keyword arguments of this shape."""
+        """The tree settings alone (mode, depth, top_k, total_tokens), e.g. for an
+        ``EvalConfig``."""
         return dict(mode=self.mode, depth=self.depth, top_k=self.top_k,
                     total_tokens=self.total_tokens)
 

@@ -21,9 +21,9 @@ from actwave.capture.forward import forward_with_states
 from actwave.capture.models import DTYPES, load, model_digest
 from actwave.capture.store import SOURCES, CaptureConfig, CaptureStore, check_model, tokenize_split
 from actwave.config import config_hash, to_jsonable
-from actwave.eagle3.train import (TrainConfig, TrainResult, _one_writer, _pad, add_config_arguments,
-                                  check_store_target, config_from_args, evaluate_data, fit,
-                                  trained_positions)
+from actwave.eagle3.train import (Segment, TrainConfig, TrainResult, _one_writer, _pad,
+                                  add_config_arguments, check_store_target, config_from_args,
+                                  evaluate_data, fit, trained_positions)
 from actwave.integrity import describe_model, identity_mismatch, model_identity
 from actwave.eagle3.vocab import draft_target_ids
 
@@ -145,16 +145,18 @@ def evaluate_online(draft, source: OnlineSource, target, ttt_steps: int = 7,
 
 @_one_writer
 def train_online(source: OnlineSource, target, config: TrainConfig, out_dir,
-                 progress: bool = True, eval_store=None, eval_fn=None) -> TrainResult:
+                 progress: bool = True, eval_store=None, eval_fn=None,
+                 segment: Segment | None = None) -> TrainResult:
     """``train_draft`` with the target in the loop: same out_dir layout, checkpoints,
-    resume, held-out evaluation (``eval_store``, a capture store) and DDP semantics. A
-    target other than the one that made ``source`` or ``eval_store`` is refused."""
+    resume, held-out evaluation (``eval_store``, a capture store), ``segment`` and DDP
+    semantics. A target other than the one that made ``source`` or ``eval_store`` is
+    refused."""
     check_source_target(source, target)
     if eval_store is not None:
         check_store_target(eval_store, target, "evaluation")
     target.eval()
     return fit(source, lambda: source.truncated(config.max_seq_len), online_batch, target,
-               config, out_dir, progress, eval_store, eval_fn)
+               config, out_dir, progress, eval_store, eval_fn, segment)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,6 +33,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load as load_tensors
@@ -102,6 +103,23 @@ class TrainConfig:
                              f" got {self.warmup_steps}")
         require_real("lr", self.lr, 0.0, low_open=True)
         require_real("grad_clip", self.grad_clip, 0.0, low_open=True)
+
+
+@dataclass
+class Segment:
+    """A piece of a longer run (``actwave.eagle3.schedule``, ``actwave.study.longrun``).
+
+    lr_schedule: step -> LR factor, instead of ``lr_factor``'s warmup + cosine over
+    ``total_steps``; stop_at: train up to this step only (checkpointed there, nothing marked
+    complete); init_from: another run's checkpoint folder to start from when out_dir has
+    none of its own (its weights, optimizer, RNG and history; the LR set by lr_schedule).
+    Checkpoints are keyed by the ``TrainConfig``, not the schedule: give each schedule its
+    own out_dir.
+    """
+
+    lr_schedule: Callable[[int], float] | None = None
+    stop_at: int | None = None
+    init_from: Path | None = None
 
 
 @dataclass
@@ -455,13 +473,39 @@ def _read_csv(path: Path) -> list[dict]:
                 for row in csv.DictReader(f)]
 
 
-def _optimizer(draft: Eagle3Draft, config: TrainConfig):
-    """AdamW over the trainable weights + linear-warmup/cosine LambdaLR."""
+def _optimizer(draft: Eagle3Draft, config: TrainConfig, schedule=None):
+    """AdamW over the trainable weights + LambdaLR of ``schedule`` (step -> factor; default
+    linear-warmup/cosine). The lambda wraps it: LambdaLR checkpoints the attributes of a
+    callable object, which would carry one run's schedule into a run started from it."""
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=config.lr,
                                   betas=config.betas, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, config.warmup_steps, config.total_steps))
+    factor = schedule or (lambda step: lr_factor(step, config.warmup_steps, config.total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factor(step))
     return optimizer, scheduler
+
+
+def _start_from(segment: Segment, draft: Eagle3Draft, optimizer, scheduler,
+                store_hash: str | None) -> dict:
+    """Load ``segment.init_from`` (another run's checkpoint, on the same training data)
+    -> its meta; the learning rate of the next step is this run's schedule's."""
+    meta = load_checkpoint(Path(segment.init_from), draft, optimizer, scheduler)
+    if meta.get("store_config_hash") not in (None, store_hash):
+        raise ValueError(f"checkpoint {segment.init_from} was trained on "
+                         f"{meta['store_config_hash']}, not {store_hash}")
+    if segment.lr_schedule is not None:
+        for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = base * segment.lr_schedule(meta["step"])
+    log.info("starting at step %d from %s", meta["step"], segment.init_from)
+    return meta
+
+
+def _stop_step(segment: Segment, config: TrainConfig, start: int) -> int:
+    """The step this call trains up to: ``segment.stop_at`` or ``total_steps``."""
+    stop = config.total_steps if segment.stop_at is None else segment.stop_at
+    if not start <= stop <= config.total_steps:
+        raise ValueError(f"stop_at={stop} must lie between the start step {start} (of the "
+                         f"checkpoint resumed) and total_steps={config.total_steps}")
+    return stop
 
 
 def _load_finished(out_dir: Path, target) -> TrainResult:
@@ -473,7 +517,7 @@ def _load_finished(out_dir: Path, target) -> TrainResult:
 
 @_one_writer
 def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = True,
-                eval_store=None, eval_fn=None) -> TrainResult:
+                eval_store=None, eval_fn=None, segment: Segment | None = None) -> TrainResult:
     """Train (or resume, or just load) one draft for ``target`` from a capture ``store``.
 
     out_dir gets ``checkpoints/`` (every ``checkpoint_every`` steps; the newest is resumed),
@@ -486,17 +530,18 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
     ``store`` (or ``eval_store``) is refused (``check_store_target``); a finished out_dir
     trained on another store (content digest) is refused; a finished draft that fails its
     checksum is rebuilt from the last checkpoint; a non-finite loss or gradient stops the
-    run (FloatingPointError) with the last good checkpoint kept.
+    run (FloatingPointError) with the last good checkpoint kept. ``segment``: another
+    schedule, a stop step, a start checkpoint (``Segment``).
     """
     check_store_target(store, target)
     if eval_store is not None:
         check_store_target(eval_store, target, "evaluation")
     return fit(store, lambda: load_sequences(store, config.layer_ids, config.max_seq_len),
-               make_batch, target, config, out_dir, progress, eval_store, eval_fn)
+               make_batch, target, config, out_dir, progress, eval_store, eval_fn, segment)
 
 
 def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progress: bool = True,
-        eval_store=None, eval_fn=None) -> TrainResult:
+        eval_store=None, eval_fn=None, segment: Segment | None = None) -> TrainResult:
     """The training loop of ``train_draft`` (store) and ``eagle3.online`` (target in the loop).
 
     source: ``digest`` (content digest of the store, or of the online text) and ``path``
@@ -507,6 +552,7 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
     from accelerate import Accelerator
 
     out_dir = Path(out_dir)
+    segment = segment or Segment()
     if _finished(out_dir, config, source):
         try:
             return _load_finished(out_dir, target)
@@ -517,17 +563,21 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
     eval_data = (load_sequences(eval_store, config.layer_ids, config.max_seq_len,
                                 config.eval_sequences) if eval_store is not None else None)
     draft = new_draft(target, data, config).to(accelerator.device)
-    optimizer, scheduler = _optimizer(draft, config)
+    optimizer, scheduler = _optimizer(draft, config, segment.lr_schedule)
     start, history, eval_history = 0, [], []
     checkpoint = latest_checkpoint(out_dir, config, source.digest)
     if checkpoint is not None:
         meta = load_checkpoint(checkpoint, draft, optimizer, scheduler)
         start, history, eval_history = meta["step"], meta["history"], meta["eval_history"]
         log.info("resuming %s at step %d", out_dir, start)
+    elif segment.init_from is not None:
+        meta = _start_from(segment, draft, optimizer, scheduler, source.digest)
+        start, history, eval_history = meta["step"], meta["history"], meta["eval_history"]
+    stop = _stop_step(segment, config, start)
     module, optimizer = accelerator.prepare(TTTLoss(draft, config.ttt_steps, config.gamma),
                                             optimizer)
     tic = time.perf_counter() - (history[-1]["seconds"] if history else 0.0)
-    for step in tqdm(range(start, config.total_steps), desc=f"draft {config.layer_ids}",
+    for step in tqdm(range(start, stop), desc=f"draft {config.layer_ids}",
                      disable=not (progress and accelerator.is_main_process), mininterval=10):
         indices = batch_indices(len(data), config.batch_size, step, config.seed,
                                 accelerator.process_index, accelerator.num_processes)
@@ -537,7 +587,7 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
                                config)
         tokens = sum(data.input_ids[i].numel() for i in indices)
         history.append(history_row(step + 1, output, lr, tokens, time.perf_counter() - tic))
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.total_steps:
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == stop:
             if eval_data is not None or eval_fn is not None:
                 row = {"step": step + 1, "tokens": sum(h["tokens"] for h in history)}
                 if eval_data is not None:
@@ -551,6 +601,8 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
             accelerator.wait_for_everyone()
     seconds = time.perf_counter() - tic
     metrics = eval_history[-1] if eval_history else {}
+    if stop < config.total_steps:  # a segment: checkpointed at stop, not finished
+        return TrainResult(draft, history, out_dir, out_dir / "draft", seconds, metrics)
     if accelerator.is_main_process:
         draft.save_pretrained(out_dir / "draft")
         write_history(out_dir / "eval.csv", eval_history)

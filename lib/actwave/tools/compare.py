@@ -226,7 +226,7 @@ def format_report(report: Report, max_lines: int = 5) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m actwave.tools.compare",
+    parser = argparse.ArgumentParser(prog="actwave compare",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="cpu")
     parser.add_argument("--revision", default="HEAD", help="git revision of the reference")

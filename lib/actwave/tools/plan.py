@@ -1,14 +1,16 @@
 """A plan before the run: what each step of a profile will need, from the model's config alone.
 
-    python -m actwave.tools.plan --model ID [--profile cpu] [--memory-gib G] [--device-memory-gib G]
+    actwave plan [--model ID] [--profile cpu] [--memory-gib G] [--device-memory-gib G]
         [--disk-gib G] [--stats-route all_pairs|block_pairs] [--stats-budget-gib G]
         [--rates results/benchmarks/summary.csv]
 
 ``ID`` is a bundled name, a local model folder, an HF id in the local HF cache, or a
-``config.json``-style file (e.g. ``profiles/configs/llama-3.1-8b.json``). The model is built
+``config.json``-style file (e.g. ``profiles/configs/llama-3.1-8b.json``); without ``--model``
+the plan covers each of the profile's ``models``. The model is built
 on the meta device (no weights) for its parameter count. The plan prints, per step, the
 capture disk, the layer-statistics memory of each route, the draft-training memory, and
-times scaled from committed measurements (named in the output), then refuses — exit status
+times scaled from committed measurements (named in the output) — notebooks 01-07 and the
+layer-set study's 08-11 (``study_needs``) — then refuses — exit status
 2, one line naming the setting to change — a run whose disk or memory cannot fit.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ import json
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -294,12 +296,79 @@ def eval_needs(shape: Shape, p: dict, rates: dict, n_methods: int = 9) -> list[N
                  tokens * shape.forward_flops / rates["eval"])]
 
 
-def plan_needs(shape: Shape, profile: dict, rates: dict, route: str,
-               budget: float) -> list[Need]:
-    """Every step of the profile's notebooks 01-07 for one model (trained as a draft target)."""
+def study_drafts(p: dict, extra_k: bool) -> int:
+    """Drafts notebook 08 trains for one model, at most (sets that coincide train once):
+    the default, every method's pick on both token sets, three baselines, ``n_random``
+    random sets, two per extra k; ``n_seeds`` for the default and the two best picks."""
+    from actwave.stats.selection import METHODS
+    from actwave.study.runs import SETTINGS, SKIPPED_METHODS
+    skipped = {*SKIPPED_METHODS, "last_k", "evenly_spaced", "first_k"}
+    picks = len(SETTINGS) * len(set(METHODS) - skipped)
+    sizes = [k for k in str(p["extra_k"]).split(",") if k.strip()] if extra_k else []
+    sets = 1 + picks + 3 + int(p["n_random"]) + 2 * len(sizes)
+    return sets + 3 * (int(p["n_seeds"]) - 1)
+
+
+def study_needs(shape: Shape, p: dict, rates: dict, where: str, extra_k: bool) -> list[Need]:
+    """Notebooks 08-11 of the layer-set study for one model, from the study profile's keys."""
+    per_token = (shape.layers + 1) * shape.dim * 2 + COLUMN_BYTES
+    splits = {"train": int(p["study_train_sequences"]), "eval": int(p["study_eval_sequences"])}
+    seq, new = int(p["study_max_seq_len"]), int(p["regen_new_tokens"])
+    needs = [Need("08 regenerate train + eval replies",
+                  f"{sum(splits.values())} replies × ≤ {new} tokens",
+                  sum(splits.values()) * new * shape.forward_flops / rates["regenerate"])]
+    for split, sequences in splits.items():
+        tokens = _tokens(sequences, seq)
+        needs.append(Need(f"08 capture {split} store", f"{sequences} seqs × ≤ {seq} ≈ "
+                          f"{tokens:,} tokens × {per_token / 1e3:.1f} kB",
+                          tokens * shape.forward_flops / rates["capture"], tokens * per_token,
+                          "disk", f"study_{split}_sequences or study_max_seq_len"))
+    drafts, steps = study_drafts(p, extra_k), int(p["train_steps"])
+    runs = drafts * steps + int(p["curve_factor"]) * steps  # + the default's learning curve
+    flops = draft_train_flops_per_token(shape, 3, int(p["draft_vocab_size"]), int(p["ttt_steps"]), seq)
+    parts = draft_train_bytes(shape, 3, int(p["draft_vocab_size"]), int(p["ttt_steps"]),
+                              int(p["batch_size"]), seq, 4)
+    needs.append(Need(f"08 train ≤ {drafts} drafts + curve",
+                      f"{steps} steps × {p['batch_size']} × ≤ {seq} each, the default's curve "
+                      f"{p['curve_factor']}× as long",
+                      runs * int(p["batch_size"]) * seq * FILL * flops / rates["train"],
+                      sum(parts.values()), where, "batch_size, study_max_seq_len or draft_vocab_size"))
+    report = Need("10 study report", "reads the records of 08-09; permutation tests", None)
+    return needs + decode_needs(shape, p, rates) + [report] + sensitivity_needs(shape, p, rates)
+
+
+def decode_needs(shape: Shape, p: dict, rates: dict, n_methods: int = 4) -> list[Need]:
+    """Notebook 09: chain speculative decoding of every benchmark reply (MT-bench: 2 turns)."""
+    turns = sum(2 if name == "mtbench" else 1 for name in str(p["decode_benchmarks"]).split(","))
+    replies = turns * int(p["decode_prompts"])
+    tokens = n_methods * replies * int(p["decode_new_tokens"])
+    return [Need("09 decoding check", f"{n_methods} methods × {replies} replies × "
+                 f"{p['decode_new_tokens']} tokens", tokens * shape.forward_flops / rates["eval"])]
+
+
+def sensitivity_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
+    """Notebook 11: one statistics pass per token-filter variant (the kept share 1 − q of the
+    analysis tokens), and the compartment bootstrap's CKA Grams on ≤ ``boot_tokens``."""
+    L, d = shape.layers + 1, shape.dim
+    tokens = _tokens(int(p["analysis_sequences"]), int(p["max_seq_len"]))
+    quantiles = [float(q) for key in ("sensitivity_quantiles", "normalized_quantiles")
+                 for q in str(p[key]).split(",")]
+    kept = sum(1 - q for q in quantiles)
+    n, boots = int(p["boot_tokens"]), int(p["n_boot_compartments"])
+    gram_flops = boots * (2 * L * n * n * d + 2 * L * L * n * n)
+    return [Need("11 filter variants", f"{len(quantiles)} statistics passes over "
+                 f"{kept:.2f} × {tokens:,} tokens", kept * tokens * L * (L + 1) * d * d / rates["stats"]),
+            Need("11 compartment bootstrap", f"{boots} replicates × ≤ {n:,} tokens (CKA Grams)",
+                 gram_flops / rates["stats"])]
+
+
+def plan_needs(shape: Shape, profile: dict, rates: dict, route: str, budget: float,
+               train: bool = True) -> list[Need]:
+    """Every step of the profile's notebooks for one model: 01-07 (``train``: the model is a
+    draft target of 06) and the study's 08-11."""
     notebooks = str(profile.get("notebooks", "01,02,03,04,05,06,07"))
     where = "device" if str(profile.get("device", "cpu")).startswith("cuda") else "host"
-    train = "06" in notebooks
+    train = train and "06" in notebooks
     needs = capture_needs(shape, profile, rates, train) if "01" in notebooks else []
     if "02" in notebooks:
         needs += stats_needs(shape, profile, rates, route, budget, where)
@@ -307,6 +376,10 @@ def plan_needs(shape: Shape, profile: dict, rates: dict, route: str,
         needs += train_needs(shape, profile, rates, where, n_drafts=6)
     if "07" in notebooks:
         needs += eval_needs(shape, profile, rates)
+    if "08" in notebooks:
+        extra_k = Path(shape.name).stem in str(profile.get("extra_k_models", "")).split(",")
+        needs += [need for need in study_needs(shape, profile, rates, where, extra_k)
+                  if need.step[:2] in notebooks]
     return needs
 
 
@@ -341,8 +414,9 @@ def render(shape: Shape, profile_name: str, profile: dict, needs: list[Need],
         where = f" ({need.limit})" if need.limit else ""
         rows.append(f"  {need.step:<34} {size:>10}  {when:>8}  {need.detail}{where}")
     total = sum(n.seconds for n in needs if n.seconds is not None)
+    later = "; notebooks 03-05 add about a minute" if any(n.step[:2] == "02" for n in needs) else ""
     rows.append(f"  {'total time':<34} {'':>10}  {_time(total):>8}  at the reference CPU's "
-                "rates (2-core AMD EPYC); notebooks 03-05 add about a minute")
+                f"rates (2-core AMD EPYC){later}")
     return header + "\n".join(rows) + "\n" + RATE_SOURCES.format(summary=summary) + "\n"
 
 
@@ -362,9 +436,10 @@ def _limits(args, profile: dict) -> Limits:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m actwave.tools.plan",
+    parser = argparse.ArgumentParser(prog="actwave plan",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="bundled name, folder, HF id or config JSON")
+    parser.add_argument("--model", help="bundled name, folder, HF id or config JSON (default: "
+                                         "each of the profile's models)")
     parser.add_argument("--profile", default="cpu")
     parser.add_argument("--memory-gib", type=float, help="host memory (default: MemAvailable)")
     parser.add_argument("--device-memory-gib", type=float,
@@ -382,17 +457,22 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         profile = {**load_profile("cpu"), **load_profile(args.profile)}  # unset keys: cpu's
-        shape = model_shape(args.model)
         summary = Path(args.rates) if Path(args.rates).is_absolute() else repo_root() / args.rates
-        limits = _limits(args, profile)
+        rates, limits = read_rates(summary), _limits(args, profile)
         where = "device" if str(profile.get("device", "cpu")).startswith("cuda") else "host"
         budget = args.stats_budget_gib * GIB if args.stats_budget_gib else getattr(limits, where)
-        needs = plan_needs(shape, profile, read_rates(summary), args.stats_route, budget)
+        trained = str(profile.get("train_models", profile["models"])).split(",")
+        models = [args.model] if args.model else str(profile["models"]).split(",")
+        plans = [(shape, plan_needs(shape, profile, rates, args.stats_route, budget,
+                                    train=bool(args.model) or shape.name in trained))
+                 for shape in map(model_shape, models)]
     except (Refusal, ValueError, OSError) as err:
         print(f"actwave plan: {err}", file=sys.stderr)
         return 2
-    print(render(shape, args.profile, profile, needs, limits, Path(args.rates)), end="")
-    refused = refusals(needs, limits)
+    refused = []
+    for shape, needs in plans:
+        print(render(shape, args.profile, profile, needs, limits, Path(args.rates)), end="")
+        refused += refusals(needs, limits)
     for line in refused:
         print(f"REFUSED {line}", file=sys.stderr)
     return 2 if refused else 0

@@ -183,7 +183,7 @@ def run_notebook(source: Path, profile_name: str, profile: dict, model: str = ""
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m actwave.tools.runplan",
+    parser = argparse.ArgumentParser(prog="actwave run",
                                      description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("notebooks", help="print the notebooks to run, or refuse")

@@ -1,0 +1,74 @@
+"""Pools of regenerated text (``profiles/data/pools.yaml``), shared by every stage that trains or
+scores drafts on on-policy text.
+
+A pool is one ``RegenConfig`` per (model, split), regenerated once, pinned chunk by chunk
+under ``results/regenerated/`` (``regenerate.pin``) and restored from there on another
+machine. Stages that need fewer conversations take the pool's first ones, so the study's
+long runs and the benchmark draft read the same text.
+
+    python -m actwave.capture.pools --model smollm2-135m [--split train]
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import yaml
+from datasets import Dataset
+
+from actwave.capture.regenerate import RegenConfig, regenerate
+from actwave.config import repo_root
+
+POOLS_FILE = "profiles/data/pools.yaml"
+PINNED_DIR = "results/regenerated"
+
+
+def pool_configs(root: Path | None = None) -> dict[str, dict[str, RegenConfig]]:
+    """{model: {split: RegenConfig}} as ``profiles/data/pools.yaml`` declares them."""
+    path = (root or repo_root()) / POOLS_FILE
+    declared = yaml.safe_load(path.read_text()) or {}
+    return {model: {split: RegenConfig(model=model, split=split, **fields)
+                    for split, fields in splits.items()}
+            for model, splits in declared.items()}
+
+
+def pool_config(model: str, split: str) -> RegenConfig:
+    """The pool of ``model``'s ``split``; a model or split without one is refused by name."""
+    pools = pool_configs()
+    if model not in pools:
+        raise ValueError(f"no regenerated-text pool for model {model!r} in {POOLS_FILE}; "
+                         f"pools exist for {sorted(pools)}")
+    if split not in pools[model]:
+        raise ValueError(f"no {split!r} pool for {model!r} in {POOLS_FILE}; it has "
+                         f"{sorted(pools[model])}")
+    return pools[model][split]
+
+
+def pinned_dir() -> Path:
+    return repo_root() / PINNED_DIR
+
+
+def pool(model: str, split: str, target=None, tokenizer=None, progress: bool = True) -> Dataset:
+    """The pool's conversations: restored from the pin, regenerated where it lacks chunks
+    (each new chunk pinned at once). Pass a loaded target/tokenizer to reuse them."""
+    return regenerate(pool_config(model, split), target, tokenizer, progress=progress,
+                      pinned_dir=pinned_dir())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="regenerate (or restore) text pools")
+    parser.add_argument("--model", required=True, help="a model with pools in " + POOLS_FILE)
+    parser.add_argument("--split", action="append", help="only these splits (repeatable)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    # eval first: it is small, and scoring needs it before long training runs finish
+    splits = args.split or sorted(pool_configs().get(args.model, {}), key=lambda s: s != "eval")
+    if not splits:
+        pool_config(args.model, "train")  # raises, naming the models that have pools
+    for split in splits:
+        print(f"{args.model}/{split}: {len(pool(args.model, split))} conversations", flush=True)
+
+
+if __name__ == "__main__":
+    main()

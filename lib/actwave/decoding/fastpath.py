@@ -1,0 +1,114 @@
+"""The one decoding comparison behind every cited speedup: notebooks 07 and 09 and
+``benchmarks/bench_speculative.py`` all call ``compare``.
+
+On a CPU the product ``x @ Wᵀ`` for a few rows is far from the memory floor with the stock
+kernel, so every row runs under the measured linear routes (``actwave.decoding.linear_routes``:
+the faster GEMM formulation per row count, for the target and for each draft); plain greedy
+decoding under the same routes is the speedup baseline, so speculative decoding is compared
+with the fastest greedy we have. Two shapes are decoded, each in its own pass with its own
+greedy reference on the same prompts:
+
+- ``fixed``: the profile's tree (or chain) setting, with HF's greedy and prompt lookup as peers;
+- ``auto``: the shape the cost model picks (``costmodel.auto_shape``) from this machine's
+  measured cost curve — under the same routes — and the drafts' mean reach on held-out
+  ShareGPT greedy replies (one shape shared by all drafts of a target, so layer sets are
+  compared at one shape).
+
+Each table row says which routes and which shape ran (columns ``routes``, ``shape``).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from actwave.capture.models import slug
+from actwave.decoding import costmodel, linear_routes
+from actwave.decoding.evaluate import EvalConfig, evaluate
+from actwave.decoding.tree import TreeShape
+
+ROUTES = ("measured", "stock")
+
+
+@dataclass
+class Comparison:
+    """What ``compare`` decoded: per pass the ``evaluate`` output, the auto shape and the
+    held-out reach it rests on ({top_k: [P(first d accepted)]}), the route tables used."""
+
+    runs: dict[str, dict[str, pd.DataFrame]]
+    auto: TreeShape
+    reach: dict[int, list[float]]
+    routes: str
+    tables: dict[str, linear_routes.RouteTable]
+
+    def summary(self) -> pd.DataFrame:
+        """Both passes' summaries, each row labelled with its pass, shape and routes."""
+        table = pd.concat([run["summary"].assign(shape=self.shape_label(name), routes=self.routes,
+                                                 pass_=name)
+                           for name, run in self.runs.items()],
+                          ignore_index=True).rename(columns={"pass_": "pass"})
+        table["speedup_per_tau"] = table["speedup"] / table["tau"]  # share of τ the round cost keeps
+        return table
+
+    def shape_label(self, name: str) -> str:
+        """'tree 4/4/16' style label of a pass's shape (mode depth/top-k/total tokens)."""
+        config = self.runs[name]["config"]
+        label = f"{config.mode} {config.depth}/{config.top_k}/{config.total_tokens}"
+        return f"auto: {label}" if name == "auto" else label
+
+
+def mean_reach(target, tokenizer, drafts: dict, eos_token_ids, n_prompts: int,
+               skip: int) -> dict[int, list[float]]:
+    """The drafts' mean held-out reach on ``n_prompts`` ShareGPT eval first turns (after the
+    first ``skip``, which an evaluation of that split decodes)."""
+    device = target.get_input_embeddings().weight.device
+    prompts = [p.to(device) for p in costmodel.held_out_prompts(tokenizer, n_prompts, skip)]
+    texts = costmodel.greedy_texts(target, prompts, eos_token_ids=eos_token_ids)
+    reaches = [costmodel.held_out_acceptance(target, draft, texts) for draft in drafts.values()]
+    return {k: torch.tensor([r[k] for r in reaches]).mean(0).tolist() for k in reaches[0]}
+
+
+@contextlib.contextmanager
+def route_context(target, drafts: dict, routes: str, model: str):
+    """Measured routes on the target and every draft (yields {label: RouteTable}), or
+    nothing changed for ``routes="stock"`` (yields {})."""
+    if routes not in ROUTES:
+        raise ValueError(f"routes={routes!r}; allowed: {ROUTES}")
+    if routes == "stock":
+        yield {}
+        return
+    # drafts of one target share their linear shapes, so one cached table ("draft") serves all
+    modules = {slug(model): (target, slug(model)),
+               **{f"draft {label}": (draft, "draft") for label, draft in drafts.items()}}
+    with contextlib.ExitStack() as stack:
+        yield {label: stack.enter_context(linear_routes.use_routes(
+            module, linear_routes.load_or_measure(module, cache_name)))
+            for label, (module, cache_name) in modules.items()}
+
+
+def compare(target, tokenizer, drafts: dict, config: EvalConfig, eos_token_ids, *,
+            routes: str = "measured", acceptance_prompts: int = 16, out_dir=None,
+            run_name: str = "speculative") -> Comparison:
+    """Decode ``config``'s prompts with the fixed shape of ``config`` (peers as configured)
+    and with the auto shape (no peers), both under ``routes``.
+
+    drafts: {label: Eagle3Draft of ``target``}. Records resume per pass under
+    ``out_dir/<run_name>-<pass>-<hash>.json``. The held-out prompts of the auto shape skip
+    the ShareGPT prompts ``config`` decodes, so the shape is not fitted on its own test text.
+    """
+    if not drafts:
+        raise ValueError("compare needs at least one draft")
+    skip = config.n_prompts if "sharegpt" in config.benchmarks else 0
+    with route_context(target, drafts, routes, config.model) as tables:
+        reach = mean_reach(target, tokenizer, drafts, eos_token_ids, acceptance_prompts, skip)
+        auto = costmodel.auto_shape(target, next(iter(drafts.values())), reach)
+        configs = {"fixed": config,
+                   "auto": dataclasses.replace(config, peers=False, **auto.settings())}
+        runs = {name: {**evaluate(target, tokenizer, drafts, pass_config, list(eos_token_ids),
+                                  out_dir=out_dir, run_name=f"{run_name}-{name}"),
+                       "config": pass_config}
+                for name, pass_config in configs.items()}
+    return Comparison(runs, auto, reach, routes, tables)

@@ -1,0 +1,485 @@
+"""Long runs of the layer-set study: every set scored at matched, decayed budgets (issue 21).
+
+The first study (``actwave.study.runs``) trains each draft 64 steps × batch 2 (one epoch of
+~24k tokens, τ̂ ≈ 1.18), where the learning-rate schedule alone moves τ̂ more than any
+layer-set difference. Here each (set, seed) gets one warmup-stable-decay *trunk* and, per
+budget b ∈ {1, 4, 16, 32} × 64 steps, a *branch* that decays the LR to 0 at step b
+(``actwave.eagle3.schedule``); each branch is scored and written as one small JSON record,
+
+    results/study-long/<model>/records/<label>-s<seed>-b<steps>.json
+
+holding the config (set, seed, budget, schedule, the regenerated pools' digests), the
+training seconds and tokens up to b (with the host, device, threads and load average, to
+judge whether the machine was idle), offline τ̂ (chain depth K = ttt_steps) on the held-out
+pool, per-TTT-step acceptance and agreement, and the **per-position accepted-chain length**
+of every held-out root (``encode_positions``): the array ``decode_walk`` walks, so a
+decoding τ on the same greedy text can be checked exactly against it.
+
+Training is online (``eagle3.online.train_online``: the target runs in the loop) on the
+regenerated train pool; the trunk and branches resume from checkpoints at step granularity,
+and a finished record is never redone. Jobs run in ``plan`` order: whole budgets across
+all sets and seeds first, so a partial run always compares every set at the budgets done.
+``status`` says what is done and estimates what is left. Statistics over the records:
+``actwave.study.stats`` (``rank_stability``, ``budget_curves``, ``budget_comparisons``).
+
+Launch (one process; resumable, rerun the same command after an interruption):
+
+    python -m actwave.study.longrun --model smollm2-135m            # everything, in order
+    python -m actwave.study.longrun --model smollm2-135m --status   # done / missing / ETA
+"""
+from __future__ import annotations
+
+import base64
+import csv
+import json
+import logging
+import os
+import platform
+import shutil
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from actwave.capture.forward import forward_with_states
+from actwave.config import atomic_write_json, config_hash, package_versions
+from actwave.decoding.acceptance import decode_walk, sequence_acceptance, tau_hat
+from actwave.eagle3.online import OnlineSource, train_online
+from actwave.eagle3.schedule import WSDSchedule, cost
+from actwave.eagle3.train import Segment, TrainConfig, _pad
+from actwave.study.runs import StudySet
+from actwave.study.stats import PRIMARY, REFERENCE
+
+log = logging.getLogger(__name__)
+RECORD_FORMAT = "actwave-longrun-record-v1"
+
+
+@dataclass(frozen=True)
+class LongRunConfig:
+    """The budgets, their schedule and the training / scoring settings of every draft."""
+
+    model: str
+    base_steps: int = 64
+    multipliers: tuple[int, ...] = (1, 4, 16, 32)
+    decay_fraction: float = 0.2
+    min_decay: int = 16
+    warmup_steps: int = 6
+    batch_size: int = 2
+    max_seq_len: int = 320
+    ttt_steps: int = 3
+    lr: float = 1e-3
+    draft_vocab_size: int = 16384
+    train_dtype: str = "float32"
+    checkpoint_every: int = 64
+    eval_batch_size: int = 8
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        return tuple(m * self.base_steps for m in self.multipliers)
+
+    def schedule(self) -> WSDSchedule:
+        return WSDSchedule(self.warmup_steps, self.budgets, self.decay_fraction, self.min_decay)
+
+    def train_config(self, layer_ids, seed: int, total_steps: int) -> TrainConfig:
+        return TrainConfig(layer_ids=tuple(layer_ids), ttt_steps=self.ttt_steps, lr=self.lr,
+                           warmup_steps=self.warmup_steps, total_steps=total_steps,
+                           batch_size=self.batch_size, max_seq_len=self.max_seq_len,
+                           draft_vocab_size=self.draft_vocab_size, seed=seed,
+                           checkpoint_every=self.checkpoint_every, dtype=self.train_dtype,
+                           eval_sequences=1)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One scored draft: a set's branch at ``budget`` steps of seed ``seed``."""
+
+    label: str
+    layer_ids: tuple[int, ...]
+    seed: int
+    budget: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.label}-s{self.seed}-b{self.budget}"
+
+
+# ----------------------------------------------------------------------------- planning
+def plan(sets: list[StudySet], budgets) -> list[Job]:
+    """Every (set, seed, budget) in run order: budget, then seed, then set (the reference and
+    the primary set first), so whole budgets finish across all sets before the next one
+    starts: every set's seed 0 at 1× and 4× comes before any 16×."""
+    first = {REFERENCE: 0, PRIMARY: 1}
+    ordered = sorted(sets, key=lambda s: first.get(s.label, 2))
+    return [Job(s.label, tuple(s.layer_ids), seed, budget) for budget in budgets
+            for seed in range(max(s.seeds for s in sets)) for s in ordered if seed < s.seeds]
+
+
+def job_steps(jobs: list[Job], schedule: WSDSchedule) -> dict[Job, int]:
+    """Optimizer steps each job trains: the trunk from the previous budget's branch point
+    (of the same set and seed) to this one's, plus the branch's d_b."""
+    reached: dict[tuple, int] = {}
+    steps = {}
+    for job in sorted(jobs, key=lambda j: j.budget):
+        trunk = (job.label, job.seed)
+        start = schedule.branch_start(job.budget)
+        steps[job] = start - reached.get(trunk, 0) + schedule.decay_steps(job.budget)
+        reached[trunk] = start
+    return steps
+
+
+def record_path(results_dir: Path, job: Job) -> Path:
+    return Path(results_dir) / "records" / f"{job.name}.json"
+
+
+def status(jobs: list[Job], results_dir: Path, schedule: WSDSchedule,
+           fallback_seconds_per_step: float = 1.1, fallback_score_seconds: float = 200.0
+           ) -> dict:
+    """What is done and what is left, from the records on disk.
+
+    -> {"done", "missing" (job names in run order), "by_budget" {budget: [done, total]},
+    "seconds_per_step" (median over the records), "score_seconds" (mean per record),
+    "remaining_seconds" (missing jobs' steps × s/step + scoring)}. Before any record the
+    fallbacks: 1.1 s/step (the online benchmark draft, batch 2 × 320 tokens, 2 idle cores)
+    and ~200 s to score 400 held-out sequences (extrapolated from 2.5 s/sequence on one
+    thread of a loaded machine).
+    """
+    records = {j: json.loads(record_path(results_dir, j).read_text()) for j in jobs
+               if record_path(results_dir, j).exists()}
+    per_step = [r["training"]["seconds"] / r["budget"] for r in records.values()]
+    seconds_per_step = float(np.median(per_step)) if per_step else fallback_seconds_per_step
+    score = float(np.mean([r["training"]["score_seconds"] for r in records.values()])
+                  if records else fallback_score_seconds)
+    steps = job_steps(jobs, schedule)
+    missing = [j for j in jobs if j not in records]
+    by_budget = {b: [sum(j.budget == b for j in records), sum(j.budget == b for j in jobs)]
+                 for b in schedule.budgets}
+    return {"done": [j.name for j in jobs if j in records], "missing": [j.name for j in missing],
+            "by_budget": by_budget, "seconds_per_step": seconds_per_step,
+            "score_seconds": score,
+            "remaining_seconds": sum(steps[j] * seconds_per_step + score for j in missing)}
+
+
+def read_sets(path: Path, labels=None, seeds: int | None = None) -> list[StudySet]:
+    """The study's sets from its set table (``08_sets_<model>.csv``): all, or those in
+    ``labels``; each with the table's seed count, or ``seeds`` for every set."""
+    with Path(path).open() as f:
+        rows = list(csv.DictReader(f))
+    chosen = [r for r in rows if labels is None or r["label"] in labels]
+    missing = set(labels or ()) - {r["label"] for r in chosen}
+    if missing:
+        raise ValueError(f"{path} has no set {sorted(missing)}")
+    return [StudySet(r["label"], tuple(int(v) for v in r["layer_ids"].split(",")), r["kind"],
+                     seeds or int(r["seeds"])) for r in chosen]
+
+
+# ----------------------------------------------------------------------------- data
+def pool_digest(manifest: dict) -> str:
+    """The identity of a regenerated pool: its config, model and every chunk's sha256 (the
+    text itself, not the timing fields a restore rewrites)."""
+    chunks = [(c["file"], c["sha256"]) for c in manifest["chunks"]]
+    return config_hash({"config": manifest["config_hash"], "model": manifest["model_digest"],
+                        "chunks": chunks})
+
+
+def pool_source(regen, tokenizer, max_seq_len: int, pinned_dir: Path | None = None
+                ) -> OnlineSource:
+    """The tokenised sequences of a finished regeneration (``capture.regenerate``), restored
+    from ``pinned_dir`` when given; identity ``pool-<pool_digest>``. Refuses an unfinished one
+    (this never starts a regeneration)."""
+    from actwave.capture import data as data_mod
+    from actwave.capture import regenerate
+
+    if pinned_dir is not None:
+        regenerate.restore(regen, pinned_dir)
+    folder = regenerate.output_dir(regen)
+    manifest = json.loads((folder / "manifest.json").read_text()) if (
+        folder / "manifest.json").exists() else {}
+    if not manifest.get("complete") or not all((folder / c["file"]).is_file()
+                                               for c in manifest["chunks"]):
+        raise ValueError(f"regeneration {folder} is not finished; wait for it (or run "
+                         "actwave.capture.regenerate.regenerate) first")
+    rows = regenerate.regenerate(regen, progress=False)
+    sequences = [data_mod.tokenize_chat(tokenizer, row["messages"], max_seq_len) for row in rows]
+    sequences = [s for s in sequences if any(s["loss_mask"]) and len(s["input_ids"]) >= 3]
+    return OnlineSource.from_sequences(sequences, f"pool-{pool_digest(manifest)}",
+                                       f"regenerated:{folder.name}")
+
+
+# ----------------------------------------------------------------------------- scoring
+def root_runs(roots: list[int]) -> list[list[int]]:
+    """Sorted root positions -> [[first, length], ...] runs of consecutive positions."""
+    runs: list[list[int]] = []
+    for root in roots:
+        if runs and runs[-1][0] + runs[-1][1] == root:
+            runs[-1][1] += 1
+        else:
+            runs.append([root, 1])
+    return runs
+
+
+def encode_positions(results) -> dict:
+    """Per-root accepted lengths of every sequence, compactly: root runs per sequence and
+    all accepted values (≤ K < 256) as one zlib-compressed, base64 uint8 array."""
+    accepted = np.concatenate([r.accepted.numpy() for r in results]).astype(np.uint8)
+    return {"encoding": "roots: [first, length] runs per sequence; accepted: base64(zlib("
+                        "uint8)), sequences concatenated in order",
+            "roots": [root_runs(r.roots.tolist()) for r in results],
+            "accepted": base64.b64encode(zlib.compress(accepted.tobytes(), 9)).decode()}
+
+
+def decode_positions(positions: dict) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``encode_positions`` inverted -> per sequence (roots (R,), accepted (R,)) int64."""
+    flat = np.frombuffer(zlib.decompress(base64.b64decode(positions["accepted"])), np.uint8)
+    out, offset = [], 0
+    for runs in positions["roots"]:
+        roots = np.concatenate([np.arange(a, a + n) for a, n in runs] or [np.zeros(0)])
+        out.append((roots.astype(np.int64), flat[offset: offset + roots.size].astype(np.int64)))
+        offset += roots.size
+    return out
+
+
+def sequence_walk(roots, accepted, n_reply: int) -> tuple[float, int]:
+    """The chain-decoding τ and rounds of one reply (``decode_walk`` from its first token);
+    NaN, 0 when the roots are not the reply's one contiguous run (multi-turn text)."""
+    roots = [int(r) for r in roots]
+    if not roots or roots != list(range(roots[0], roots[0] + n_reply - 1)):
+        return float("nan"), 0
+    return decode_walk(dict(zip(roots, (int(a) for a in accepted))), roots[0], n_reply)
+
+
+@torch.no_grad()
+def _batch_acceptance(draft, source: OnlineSource, indices: list[int], target, depth: int):
+    """sequence_acceptance of sequences ``indices``, states and argmax from one target forward."""
+    device = next(target.parameters()).device
+    width = max(source.input_ids[i].numel() for i in indices)
+    input_ids = _pad([source.input_ids[i] for i in indices], width).to(device)  # (B, L)
+    valid = _pad([torch.ones_like(source.loss_mask[i]) for i in indices], width).to(device)
+    logits, states, _ = forward_with_states(target, draft.layer_ids, input_ids,
+                                            attention_mask=valid.long())  # (B, L, V), (B, L, k·D)
+    argmax = logits.argmax(-1)  # (B, L)
+    out = []
+    for row, index in enumerate(indices):
+        n = source.input_ids[index].numel()
+        out.append(sequence_acceptance(draft, states[row, :n].float(), input_ids[row, :n],
+                                       argmax[row, :n], source.loss_mask[index], depth=depth))
+    return out
+
+
+def score_online(draft, source: OnlineSource, target, depth: int, batch_size: int = 8) -> dict:
+    """Offline acceptance of ``draft`` on every held-out sequence of ``source`` (the target
+    runs per batch): τ̂, per-step acceptance (Π hits) and agreement (hit at step i), one
+    row per sequence (roots, accepted, n_reply, walk τ) and the per-position arrays."""
+    was_training = draft.training
+    draft.eval()
+    results = []
+    for first in range(0, len(source), batch_size):
+        indices = list(range(first, min(first + batch_size, len(source))))
+        results += _batch_acceptance(draft, source, indices, target, depth)
+    draft.train(was_training)
+    roots = max(sum(r.n_roots for r in results), 1)
+    rows = []
+    for index, result in enumerate(results):
+        n_reply = int(source.loss_mask[index].sum())
+        walk, rounds = sequence_walk(result.roots.tolist(), result.accepted.tolist(), n_reply)
+        rows.append({"roots": result.n_roots,
+                     "accepted": int(result.accepted.sum()), "n_reply": n_reply,
+                     "walk_tau": walk, "walk_rounds": rounds})
+    return {"tau_hat": tau_hat(results), "depth": depth, "n_sequences": len(results),
+            "n_roots": sum(r.n_roots for r in results),
+            "step_acceptance": (sum(r.reached for r in results) / roots).tolist(),
+            "step_agreement": (sum(r.step_hits for r in results) / roots).tolist(),
+            "per_sequence": rows, "positions": encode_positions(results)}
+
+
+# ----------------------------------------------------------------------------- running
+@dataclass
+class LongRun:
+    """Everything the jobs of one model share: config, target, pools and folders."""
+
+    config: LongRunConfig
+    target: object
+    train: OnlineSource        # the regenerated train pool (max_seq_len-truncated in training)
+    eval: OnlineSource         # the held-out pool, scored whole
+    results_dir: Path          # records/ goes here
+    work_dir: Path             # trunks/ and branches/ (checkpoints, drafts): the cache
+
+
+def trunk_key(run: LongRun, job: Job) -> str:
+    """What a (set, seed)'s trunk, and so each of its records, depends on."""
+    return config_hash({"config": asdict(run.config), "layer_ids": job.layer_ids,
+                        "seed": job.seed, "train": run.train.config_hash,
+                        "eval": run.eval.config_hash})
+
+
+def _trunk_dir(run: LongRun, job: Job) -> Path:
+    return Path(run.work_dir) / "trunks" / f"{job.label}-s{job.seed}-{trunk_key(run, job)}"
+
+
+def _branch_dir(run: LongRun, job: Job) -> Path:
+    return Path(run.work_dir) / "branches" / f"{job.name}-{trunk_key(run, job)}"
+
+
+def load_record(path: Path, key: str | None = None) -> dict | None:
+    """A finished record (None if absent or made under another key)."""
+    if not Path(path).exists():
+        return None
+    record = json.loads(Path(path).read_text())
+    if record.get("format") != RECORD_FORMAT:
+        raise ValueError(f"{path} is not a long-run record (format {record.get('format')!r})")
+    return record if key is None or record.get("key") == key else None
+
+
+def branch_point(run: LongRun, job: Job, progress: bool = False) -> Path:
+    """The trunk's checkpoint at the branch's first step b − d_b, kept as its own copy (the
+    trunk goes on and drops older checkpoints); trains the trunk there first if needed."""
+    schedule = run.config.schedule()
+    start = schedule.branch_start(job.budget)
+    trunk = _trunk_dir(run, job)
+    point = trunk / "branch-points" / f"step-{start:07d}"
+    if point.is_dir():
+        return point
+    config = run.config.train_config(job.layer_ids, job.seed, max(schedule.budgets))
+    train_online(run.train, run.target, config, trunk, progress,
+                 segment=Segment(schedule.trunk(), stop_at=start))
+    tmp = point.with_name(f".tmp-{point.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(trunk / "checkpoints" / point.name, tmp)
+    os.replace(tmp, point)
+    return point
+
+
+def _branch_started(branch: Path) -> bool:
+    """Whether the branch has a checkpoint or a finished draft of its own."""
+    return (branch / "config.json").exists() or any((branch / "checkpoints").glob("step-*"))
+
+
+def _machine(target) -> dict:
+    """Where the seconds were measured: host, device, threads, and the 1-minute load average
+    when the job started (≈ 0 on an idle machine; ``run_job`` adds the one at its end)."""
+    return {"host": platform.node(), "processor": platform.processor() or platform.machine(),
+            "device": str(next(target.parameters()).device), "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(), "load_average": os.getloadavg()[0]}
+
+
+def run_job(job: Job, run: LongRun, progress: bool = False) -> dict:
+    """Train (or resume, or skip) one job's trunk segment and branch, score the branch and
+    write its record; -> the record. The branch point and the branch's checkpoints are
+    removed once the record is written (the branch's draft stays in the cache)."""
+    key = trunk_key(run, job)
+    path = record_path(run.results_dir, job)
+    existing = load_record(path, key)
+    if existing is not None:
+        return existing
+    machine = _machine(run.target)
+    schedule = run.config.schedule()
+    branch = _branch_dir(run, job)
+    point = None if _branch_started(branch) else branch_point(run, job, progress)
+    config = run.config.train_config(job.layer_ids, job.seed, job.budget)
+    result = train_online(run.train, run.target, config, branch, progress,
+                          segment=Segment(schedule.branch(job.budget), init_from=point))
+    tic = time.perf_counter()
+    offline = score_online(result.draft, run.eval, run.target, run.config.ttt_steps,
+                           run.config.eval_batch_size)
+    start = schedule.branch_start(job.budget)
+    seconds = result.history[-1]["seconds"]
+    record = {"format": RECORD_FORMAT, "key": key, "model": run.config.model,
+              "label": job.label, "layer_ids": list(job.layer_ids), "seed": job.seed,
+              "budget": job.budget, "longrun": asdict(run.config), "train": asdict(config),
+              "schedule": {"kind": "wsd", "warmup_steps": schedule.warmup_steps,
+                           "branch_start": start, "decay_steps": schedule.decay_steps(job.budget),
+                           "trunk_steps": schedule.trunk_steps},
+              "data": {"train": run.train.config_hash, "train_path": run.train.path,
+                       "eval": run.eval.config_hash, "eval_path": run.eval.path},
+              "training": {"steps": len(result.history), "seconds": seconds,
+                           "trunk_seconds": result.history[start - 1]["seconds"],
+                           "tokens": int(sum(row["tokens"] for row in result.history)),
+                           "score_seconds": time.perf_counter() - tic},
+              "machine": {**machine, "load_average_end": os.getloadavg()[0]},
+              "draft_fingerprint": result.draft.fingerprint(),
+              "offline": offline, "versions": package_versions()}
+    atomic_write_json(path, record)
+    shutil.rmtree(branch / "checkpoints", ignore_errors=True)
+    shutil.rmtree(_trunk_dir(run, job) / "branch-points" / f"step-{start:07d}", ignore_errors=True)
+    return load_record(path)
+
+
+def run_jobs(jobs: list[Job], run: LongRun, max_jobs: int | None = None,
+             progress: bool = True) -> list[dict]:
+    """``run_job`` over ``jobs`` in order (the first ``max_jobs`` missing ones)."""
+    records, trained = [], 0
+    for job in jobs:
+        if max_jobs is not None and trained >= max_jobs:
+            break
+        trained += load_record(record_path(run.results_dir, job), trunk_key(run, job)) is None
+        records.append(run_job(job, run, progress))
+        log.info("%s: tau_hat %.4f", job.name, records[-1]["offline"]["tau_hat"])
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: plan, status, or run the long study of one model (see module docstring)."""
+    import argparse
+
+    from accelerate import Accelerator
+
+    from actwave.capture.models import DTYPES, load, slug
+    from actwave.capture.regenerate import RegenConfig
+    from actwave.config import cache_dir, repo_root
+
+    parser = argparse.ArgumentParser(description="Layer sets at matched, decayed budgets.")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--sets", default=None, help="set table (default results/study/"
+                        "08_sets_<model>.csv)")
+    parser.add_argument("--labels", default=None, help="comma-separated set labels (default all)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per set (default: the "
+                        "table's: 3 for the default and the two best selected sets, else 1)")
+    parser.add_argument("--multipliers", default="1,4,16,32", help="budgets in base-step units")
+    parser.add_argument("--base-steps", type=int, default=64)
+    parser.add_argument("--train-conversations", type=int, default=3200)
+    parser.add_argument("--eval-conversations", type=int, default=400)
+    parser.add_argument("--target-dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--results", default=None, help="default results/study-long/<model>")
+    parser.add_argument("--pinned", default=None, help="pinned regenerations (default "
+                        "results/regenerated)")
+    parser.add_argument("--max-jobs", type=int, default=None, help="stop after this many jobs")
+    parser.add_argument("--status", action="store_true", help="print done / missing / ETA; exit")
+    args = parser.parse_args(argv)
+    root, name = repo_root(), slug(args.model)
+    config = LongRunConfig(model=args.model, base_steps=args.base_steps,
+                           multipliers=tuple(int(m) for m in args.multipliers.split(",")))
+    labels = args.labels.split(",") if args.labels else None
+    sets = read_sets(args.sets or root / "results" / "study" / f"08_sets_{name}.csv", labels,
+                     args.seeds)
+    jobs = plan(sets, config.budgets)
+    results = Path(args.results or root / "results" / "study-long" / name)
+    steps = cost(config.schedule())
+    print(f"budgets {config.budgets}: {steps['wsd']} steps per (set, seed) with decay branches "
+          f"(trunk {steps['trunk']} + decays {steps['branches']}) vs {steps['separate']} for "
+          f"separate cosine runs; {len(jobs)} jobs, {len(sets)} sets")
+    report = status(jobs, results, config.schedule())
+    print(f"done {len(report['done'])}/{len(jobs)} {report['by_budget']}; about "
+          f"{report['remaining_seconds'] / 3600:.1f} h left at {report['seconds_per_step']:.2f}"
+          f" s/step; next {report['missing'][:1]}")
+    if args.status:
+        return
+    target, tokenizer = load(args.model, dtype=DTYPES[args.target_dtype],
+                             device=Accelerator().device)
+    pinned = Path(args.pinned or root / "results" / "regenerated")
+    pools = {split: pool_source(RegenConfig(model=args.model, split=split, n_conversations=n,
+                                            max_prompt_len=160, max_new_tokens=160,
+                                            batch_size=16, dtype="bfloat16",
+                                            batches_per_chunk=4),
+                                tokenizer, config.max_seq_len, pinned)
+             for split, n in (("train", args.train_conversations),
+                              ("eval", args.eval_conversations))}
+    run = LongRun(config, target, pools["train"], pools["eval"], results,
+                  cache_dir() / "longrun" / name)
+    run_jobs(jobs, run, args.max_jobs)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    main()

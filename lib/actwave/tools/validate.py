@@ -1,0 +1,447 @@
+"""What ``select`` may recommend: the study's evidence, and ``select --validate``.
+
+The selection methods score hidden states (information, redundancy); none of them measures
+draft acceptance, and the layer-set study (``actwave.study``) found no proxy that ranks trained
+drafts. So ``select`` recommends EAGLE-3's default ``(2, N//2, N−3)`` unless trained drafts
+show otherwise. ``select --validate`` trains that evidence on the spot, with the study's own
+path (``actwave.study.runs.run_draft``: one draft per (set, seed), one budget, offline τ̂ on
+held-out regenerated replies) for the default and the top-K distinct candidate sets the
+selection methods pick (ranked by their Rényi-2 percentile), and compares each candidate with
+the default by the study's paired seed × sequence bootstrap (``actwave.study.stats``).
+
+Decision rule (``RULE``): the recommendation is the default unless a candidate's Δτ̂ = τ̂(set)
+− τ̂(default) has a one-sided bootstrap lower bound > 0 under Holm's correction over the K
+candidates at family-wise level α (default 0.05): with m candidates not yet rejected, every
+candidate whose lower bound at level 1 − α/m is > 0 is rejected (better than the default) and
+m shrinks, until none is. Among the candidates found better, the largest Δτ̂ is recommended.
+
+Budget (``default_budget``): the steps at which the study's short-run ranking predicts its
+long-run one, read from a rank-stability table once the study has one; until then the study
+profile's per-draft budget, and the output says the short-run ranking may not predict trained
+drafts (``NOT_MEASURED``). Cost (``estimate_cost``): drafts × (steps × the median seconds per
+step + the median scoring seconds of the study's committed records of the model), printed
+before any training; progress is a tqdm bar over drafts and one per draft.
+
+Drafts and records live under ``cache_dir()/validate`` keyed like the study's records (study
+config, training config, store hashes), so a rerun skips every finished draft.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from actwave.config import cache_dir, config_hash, results_dir
+from actwave.stats.selection import eagle3_default
+from actwave.study import runs, stats as study_stats
+from actwave.tools.runplan import load_profile
+
+RULE = ("recommend the EAGLE-3 default unless a candidate's Δτ̂ vs the default has a one-sided "
+        "bootstrap lower bound > 0 with Holm's correction over the {k} candidate(s) at "
+        "family-wise level α = {alpha} (seed × sequence bootstrap); then the largest such Δτ̂")
+NOT_MEASURED = ("rank stability across budgets not yet measured; the short-run ranking may not "
+                "predict trained drafts")
+PROXY_NOTE = ("The proxies (Rényi-2, log-det, entropy sums, dispersion, CKA) measure the "
+              "information and redundancy of the hidden states, not draft acceptance. What "
+              "the layer-set study (trained drafts, offline τ̂) found:")
+# Fixed rules and random draws: not selections by a proxy, so never candidates.
+FIXED_METHODS = ("eagle3_default", "evenly_spaced", "last_k", "first_k", "random")
+STUDY_PROFILE = "study"
+RANK_STABILITY_GLOB = "*rank_stability*.csv"
+DEFAULT_LABEL = "eagle3_default"
+# select's top proxy pick on each token set, as the study labels it
+TOP_PROXY_LABELS = ("renyi2_exhaustive", "renyi2_exhaustive@filtered")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``select``'s --validate options."""
+    group = parser.add_argument_group("validation (train short drafts; actwave.tools.validate)")
+    group.add_argument("--validate", action="store_true",
+                       help="train drafts for the top candidates and the EAGLE-3 default, "
+                            "score offline τ̂ on held-out text and recommend by the rule printed")
+    group.add_argument("--budget", type=int, default=None,
+                       help="training steps per draft (default: the rank-stability table's "
+                            "budget, else the study profile's train_steps)")
+    group.add_argument("--seeds", type=int, default=3,
+                       help=f"seeds per set (≥ {study_stats.MIN_UNITS}: the bootstrap resamples "
+                            "seeds; default 3)")
+    group.add_argument("--candidates", type=int, default=3,
+                       help="candidate sets to train besides the default (default 3)")
+    group.add_argument("--alpha", type=float, default=0.05,
+                       help="family-wise error level of the Holm-corrected rule (default 0.05)")
+    group.add_argument("--validate-profile", default=STUDY_PROFILE,
+                       help="profile whose study data sizes and training settings are used "
+                            "(default: study, the layer-set study's)")
+
+
+def args_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the --validate options (None if nothing or not validating)."""
+    if not args.validate:
+        return None
+    if args.k != 3:
+        return ("--validate compares with the EAGLE-3 default, which has 3 layers: --k 3, "
+                f"got {args.k}")
+    if args.candidates < 1:
+        return f"--candidates must be ≥ 1, got {args.candidates}"
+    if args.seeds < study_stats.MIN_UNITS:
+        return (f"--seeds must be ≥ {study_stats.MIN_UNITS} (the seed × sequence bootstrap "
+                f"needs {study_stats.MIN_UNITS} seeds per set), got {args.seeds}")
+    if args.budget is not None and args.budget < 1:
+        return f"--budget must be ≥ 1 training step, got {args.budget}"
+    if not 0.0 < args.alpha < 0.5:
+        return f"--alpha must be in (0, 0.5) (a one-sided error level), got {args.alpha}"
+    return None
+
+
+# ----------------------------------------------------------------------------- the budget
+@dataclass
+class Budget:
+    """Training steps per draft, where they come from and what that means."""
+
+    steps: int
+    source: str
+    note: str | None = None
+
+
+def default_budget(slug: str, profile: dict, results: Path | None = None,
+                   profile_name: str = STUDY_PROFILE) -> Budget:
+    """The budget at which short-run rankings predict long-run ones, for model ``slug``.
+
+    Looked up in the study's rank-stability table (``results/study/*rank_stability*.csv``,
+    columns ``model``, ``train_steps``, ``predicts``: the smallest ``train_steps`` whose
+    ``predicts`` is true for this model). Until that table exists, the study profile's
+    per-draft budget (``train_steps`` of ``profile``) with ``NOT_MEASURED`` as the note.
+    """
+    results = Path(results or results_dir(STUDY_PROFILE))
+    for table in sorted(results.glob(RANK_STABILITY_GLOB)):
+        steps = _stable_steps(table, slug)
+        if steps is not None:
+            return Budget(steps, f"{table.name} (rank stability)")
+    return Budget(int(profile["train_steps"]), f"train_steps of profiles/{profile_name}.yaml, "
+                  "the study's per-draft budget", NOT_MEASURED)
+
+
+def _stable_steps(table: Path, slug: str) -> int | None:
+    """The smallest ``train_steps`` of ``slug`` whose ranking ``predicts`` the long runs."""
+    with table.open() as f:
+        rows = [r for r in csv.DictReader(f) if r.get("model") == slug
+                and str(r.get("predicts", "")).strip().lower() in ("true", "1", "yes")]
+    return min((int(float(r["train_steps"])) for r in rows), default=None)
+
+
+# ----------------------------------------------------------------------------- the sets
+def candidate_sets(select_result: dict, n: int) -> list[dict]:
+    """The top ``n`` distinct sets the selection methods picked (not the default), ranked by
+    Rényi-2 percentile on their token set (ties: the proxy token set first, then the
+    methods' order).
+
+    -> [{"label", "layers", "renyi2_pct", "picked_by": ["method@token set", ...]}].
+    """
+    default = list(eagle3_default(select_result["num_layers"]))
+    found: dict[tuple, dict] = {}
+    for token_set, entry in _token_sets_first(select_result):
+        for row in entry["methods"]:
+            if row["method"] in FIXED_METHODS or list(row["layers"]) == default:
+                continue
+            item = found.setdefault(tuple(row["layers"]), {
+                "label": set_label(row["layers"]), "layers": list(row["layers"]),
+                "renyi2_pct": -math.inf, "picked_by": []})
+            item["picked_by"].append(f"{row['label']}@{token_set}")
+            item["renyi2_pct"] = max(item["renyi2_pct"], _finite(row["renyi2_pct"]))
+    # sorted() is stable: equal percentiles keep the order they were found in
+    return sorted(found.values(), key=lambda item: -item["renyi2_pct"])[:n]
+
+
+def _token_sets_first(select_result: dict) -> list[tuple[str, dict]]:
+    """The token sets, the one of the top proxy pick (top-entropy tokens) first."""
+    first = select_result["proxy_token_set"]
+    return sorted(select_result["token_sets"].items(), key=lambda item: item[0] != first)
+
+
+def _finite(value: float) -> float:
+    return -math.inf if value is None or math.isnan(value) else float(value)
+
+
+def set_label(layers) -> str:
+    """Record label of a layer set: ``layers_11-28-29``."""
+    return "layers_" + "-".join(str(int(v)) for v in layers)
+
+
+# ----------------------------------------------------------------------------- the config
+def study_config(model: str, profile: dict, steps: int) -> runs.StudyConfig:
+    """The study's data and training settings (as notebook 08 maps ``profile``) at ``steps``.
+
+    Set-choice fields are fixed (n_seeds=1, n_random=0, extra_k="", curve_factor=1) so the
+    record keys depend only on data, training and scoring: --seeds or --candidates can grow
+    and a rerun keeps every finished draft.
+    """
+    p = profile
+    return runs.StudyConfig(
+        model=model, seed=int(p["seed"]), train_sequences=int(p["study_train_sequences"]),
+        eval_sequences=int(p["study_eval_sequences"]), max_seq_len=int(p["study_max_seq_len"]),
+        regen_new_tokens=int(p["regen_new_tokens"]), eval_new_tokens=int(p["eval_new_tokens"]),
+        capture_batch_size=int(p["capture_batch_size"]), capture_dtype=str(p["capture_dtype"]),
+        train_steps=steps, warmup_steps=min(int(p["warmup_steps"]), steps),
+        batch_size=int(p["batch_size"]), ttt_steps=int(p["ttt_steps"]), lr=float(p["lr"]),
+        draft_vocab_size=int(p["draft_vocab_size"]), train_dtype=str(p["train_dtype"]),
+        checkpoint_every=min(int(p["checkpoint_every"]), steps), depth=int(p["offline_depth"]),
+        tree_top_k=int(p["offline_top_k"]), n_random=0, n_seeds=1, extra_k="", curve_factor=1)
+
+
+def records_dir(slug: str, config: runs.StudyConfig) -> Path:
+    """Where this model's validation records live: one folder per study config."""
+    return cache_dir() / "validate" / f"{slug}-{config_hash(asdict(config))}"
+
+
+# ----------------------------------------------------------------------------- the cost
+def estimate_cost(slug: str, steps: int, n_drafts: int, results: Path | None = None) -> dict:
+    """Predicted seconds of ``n_drafts`` drafts of ``steps`` steps: steps × the median
+    seconds/step of the study's committed records of this model, plus their median scoring
+    seconds. -> {"seconds" (NaN without records), "source"}.
+    """
+    records = _study_records(slug, results)
+    if not records:
+        return {"seconds": math.nan, "source": f"no study records of {slug} to time it: see "
+                                                "the drafts bar's ETA after the first draft"}
+    per_step = statistics.median(r["train_seconds"] / r["train"]["total_steps"] for r in records)
+    scoring = statistics.median(max(r["wall_seconds"] - r["train_seconds"], 0.0) for r in records)
+    return {"seconds": n_drafts * (steps * per_step + scoring),
+            "source": f"{per_step:.2f} s/step + {scoring:.0f} s scoring per draft, medians of "
+                      f"{len(records)} study drafts of {slug}"}
+
+
+def _study_records(slug: str, results: Path | None) -> list[dict]:
+    folder = Path(results or results_dir(STUDY_PROFILE)) / slug
+    return [r for r in runs.load_records(folder) if r.get("steps_factor", 1) == 1]
+
+
+# ----------------------------------------------------------------------------- training
+def prepare(config: runs.StudyConfig, slug: str, device: str, profile_name: str):
+    """The target and the study's train / eval stores (regenerated text restored, read-only,
+    from ``results/<profile>/<slug>/regenerated`` when pinned there). -> (target, stores)."""
+    from actwave.capture import models as model_zoo
+    from actwave.capture import regenerate
+    from actwave.capture.models import DTYPES
+    from actwave.capture.store import regen_config, run_capture
+
+    target, tokenizer = model_zoo.load(config.model, dtype=DTYPES[config.capture_dtype],
+                                       device=device)
+    pinned = results_dir(profile_name) / slug / "regenerated"
+    stores = {}
+    for split in ("train", "eval"):
+        capture = config.capture(split)
+        if pinned.is_dir():
+            regenerate.restore(regen_config(capture), pinned)
+        stores[split] = run_capture(capture, target, tokenizer, device=device)
+    return target, stores
+
+
+def train_sets(sets: list[runs.StudySet], n_seeds: int, config: runs.StudyConfig, target,
+               stores: dict, folder: Path) -> dict[str, list[dict]]:
+    """One record per (set, seed), first seeds of every set first; finished ones are read.
+
+    -> {label: [record per seed]}.
+    """
+    order = [(s, seed) for seed in range(n_seeds) for s in sets]
+    records: dict[str, list[dict]] = {s.label: [] for s in sets}
+    for study_set, seed in tqdm(order, desc="validation drafts", unit="draft"):
+        record = runs.run_draft(study_set, config.seed + seed, config, target, stores, folder,
+                                cache_dir() / "validate-drafts", progress=True)
+        records[study_set.label].append(record)
+    return records
+
+
+# ----------------------------------------------------------------------------- the decision
+def compare(records: dict[str, list[dict]], alpha: float, n_bootstrap: int = 2000,
+            seed: int = 0) -> list[dict]:
+    """Each candidate vs the default: τ̂, Δτ̂ with the study's 95% CI, and Holm's verdict.
+
+    records: {label: [record per seed]}, ``DEFAULT_LABEL`` among them. -> one row per
+    candidate: {"label", "layers", "tau_hat", "diff", "ci_low", "ci_high", "holm_level",
+    "holm_lower", "better"}; ``holm_lower`` is the one-sided lower bound at the level Holm's
+    procedure last tested the candidate at (1 − α/m).
+    """
+    reference = records[DEFAULT_LABEL]
+    rows = {}
+    for label, arm in records.items():
+        if label != DEFAULT_LABEL:
+            diff = study_stats.paired_difference(arm, reference, n_bootstrap, seed)
+            rows[label] = {"label": label, "layers": list(arm[0]["layer_ids"]),
+                           "tau_hat": float(study_stats.seed_taus(arm).mean()),
+                           **{key: diff[key] for key in ("diff", "ci_low", "ci_high")}}
+    _holm(rows, records, alpha, n_bootstrap, seed)
+    return sorted(rows.values(), key=lambda row: -row["diff"])
+
+
+def _holm(rows: dict, records: dict, alpha: float, n_bootstrap: int, seed: int) -> None:
+    """Holm's step-down on one-sided lower bounds: with m candidates left, reject (mark
+    ``better``) each whose lower bound at 1 − α/m is > 0; repeat with the rest until none."""
+    left = dict(rows)
+    while left:
+        level = 1 - alpha / len(left)
+        for label, row in left.items():
+            two_sided = 1 - 2 * (1 - level)  # its lower quantile is the one-sided bound
+            bound = study_stats.paired_difference(records[label], records[DEFAULT_LABEL],
+                                                  n_bootstrap, seed, level=two_sided)
+            row.update(holm_level=level, holm_lower=bound["ci_low"])
+            row["better"] = bool(bound["ci_low"] > 0)
+        rejected = [label for label, row in left.items() if row["better"]]
+        if not rejected:
+            return
+        for label in rejected:
+            del left[label]
+
+
+def recommend(rows: list[dict], default_layers) -> dict:
+    """The rule's choice: the best candidate found better, else the default."""
+    better = [row for row in rows if row["better"]]
+    if not better:
+        return {"label": DEFAULT_LABEL, "layers": list(default_layers),
+                "why": "no candidate is significantly better than the EAGLE-3 default"}
+    best = max(better, key=lambda row: row["diff"])
+    return {"label": best["label"], "layers": best["layers"],
+            "why": f"Δτ̂ {best['diff']:+.4f}, Holm lower bound {best['holm_lower']:+.4f} > 0"}
+
+
+def run_validation(args: argparse.Namespace, select_result: dict) -> dict:
+    """``select --validate``: budget, cost, drafts, comparison and the recommendation."""
+    from actwave.capture import models as model_zoo
+
+    slug = model_zoo.slug(args.model)
+    profile = load_profile(args.validate_profile)
+    budget = (Budget(args.budget, "--budget") if args.budget is not None
+              else default_budget(slug, profile, profile_name=args.validate_profile))
+    config = study_config(args.model, profile, budget.steps)
+    candidates = candidate_sets(select_result, args.candidates)
+    default = eagle3_default(select_result["num_layers"])
+    sets = [runs.StudySet(DEFAULT_LABEL, default, "default", args.seeds)] + [
+        runs.StudySet(c["label"], tuple(c["layers"]), "selected", args.seeds) for c in candidates]
+    cost = estimate_cost(slug, budget.steps, len(sets) * args.seeds)
+    print(_plan_line(budget, len(sets), args.seeds, cost), flush=True)
+    target, stores = prepare(config, slug, args.device, args.validate_profile)
+    records = train_sets(sets, args.seeds, config, target, stores, records_dir(slug, config))
+    rows = compare(records, args.alpha, seed=args.seed)
+    for row in rows:
+        row["picked_by"] = next(c["picked_by"] for c in candidates if c["label"] == row["label"])
+    return {"budget": asdict(budget), "seeds": args.seeds, "alpha": args.alpha,
+            "cost": cost, "rule": RULE.format(k=len(candidates), alpha=args.alpha),
+            "default": {"layers": list(default),
+                        "tau_hat": float(study_stats.seed_taus(records[DEFAULT_LABEL]).mean())},
+            "rows": rows, "recommendation": recommend(rows, default),
+            "records_dir": str(records_dir(slug, config))}
+
+
+def _plan_line(budget: Budget, n_sets: int, seeds: int, cost: dict) -> str:
+    seconds = cost["seconds"]
+    when = "unknown" if math.isnan(seconds) else f"≈ {seconds / 60:.0f} min"
+    lines = [f"validation: {n_sets} sets × {seeds} seeds = {n_sets * seeds} drafts of "
+             f"{budget.steps} steps ({budget.source}); predicted cost {when} ({cost['source']}; "
+             "plus the train/eval capture when not cached; finished drafts are read, not "
+             "retrained)"]
+    return "\n".join(lines + ([f"  note: {budget.note}"] if budget.note else []))
+
+
+# ----------------------------------------------------------------------------- reporting
+def format_validation(validation: dict) -> list[str]:
+    """The printed validation table and decision."""
+    default = validation["default"]
+    lines = [f"validation: {validation['budget']['steps']} steps per draft "
+             f"({validation['budget']['source']}), {validation['seeds']} seeds per set, "
+             "offline τ̂ on held-out regenerated replies",
+             f"  {'set':<24}{'layers':<16}{'τ̂':>8}{'Δτ̂':>10}{'95% CI':>22}"
+             f"{'Holm bound':>12}  better",
+             f"  {'EAGLE-3 default':<24}{str(tuple(default['layers'])):<16}"
+             f"{default['tau_hat']:>8.4f}"]
+    for row in validation["rows"]:
+        ci = f"[{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]"
+        lines.append(f"  {row['label']:<24}{str(tuple(row['layers'])):<16}{row['tau_hat']:>8.4f}"
+                     f"{row['diff']:>+10.4f}{ci:>22}{row['holm_lower']:>+12.4f}  "
+                     f"{'yes' if row['better'] else 'no'}")
+    if validation["budget"].get("note"):
+        lines.append(f"  note: {validation['budget']['note']}")
+    return lines + [f"  rule: {validation['rule']}",
+                    f"  -> {tuple(validation['recommendation']['layers'])}: "
+                    f"{validation['recommendation']['why']}"]
+
+
+def study_evidence(slug: str, results: Path | None = None) -> list[str]:
+    """What the committed study found, read from its tables at run time: each set of
+    the study's entropy method vs the default, and the proxies' rank correlations with
+    trained drafts. For a model outside the study: every bundled model's result."""
+    results = Path(results or results_dir(STUDY_PROFILE))
+    tables = sorted(results.glob("10_sets_vs_default_*.csv"))
+    if not tables:
+        return [f"No committed study tables (10_sets_vs_default_*.csv) under {results}."]
+    own = [t for t in tables if t.stem.endswith(f"_{slug}")]
+    lines = [] if own else [f"The study has no result for {slug}; it found, for the bundled "
+                            "models:"]
+    for table in own or tables:
+        lines += _sets_vs_default(table)
+    return lines + _proxy_correlations(results / "10_proxy_correlations.csv")
+
+
+def _sets_vs_default(table: Path) -> list[str]:
+    """The study's Rényi-2 picks (``select``'s top proxy) vs the default in one model's table."""
+    with table.open() as f:
+        rows = list(csv.DictReader(f))
+    model = table.stem.removeprefix("10_sets_vs_default_")
+    default = next(r for r in rows if r["label"] == DEFAULT_LABEL)
+    lines = [f"  {model} ({table.relative_to(table.parents[2])}): EAGLE-3 default "
+             f"({default['layer_ids']}) τ̂ {float(default['tau_hat']):.4f}, "
+             f"{default['n_seeds']} seeds"]
+    names = _study_names(table.parent / f"08_sets_{model}.csv", TOP_PROXY_LABELS)
+    for row in rows:
+        if row["label"] in names:
+            lines.append(f"    {names[row['label']]} ({row['layer_ids']}): Δτ̂ "
+                         f"{float(row['vs_default_diff']):+.4f} {_ci(row)}")
+    return lines
+
+
+def _study_names(sets_table: Path, wanted) -> dict[str, str]:
+    """{study label: the ``wanted`` name it carries}: a set picked by several methods is
+    trained once under its first label, the others are its aliases (08_sets table)."""
+    if not sets_table.exists():
+        return {name: name for name in wanted}
+    with sets_table.open() as f:
+        rows = list(csv.DictReader(f))
+    out = {}
+    for row in rows:
+        names = [row["label"], *filter(None, row.get("aliases", "").split(","))]
+        for name in (n for n in names if n in wanted):
+            out[row["label"]] = name if name == row["label"] else f"{name} (= {row['label']})"
+    return out
+
+
+def _ci(row: dict) -> str:
+    """The hierarchical 95% CI, or the sequence-only one (flagged) where seeds were too few."""
+    if row["vs_default_ci_low"]:
+        return (f"[95% CI {float(row['vs_default_ci_low']):+.4f}, "
+                f"{float(row['vs_default_ci_high']):+.4f}]")
+    return (f"[sequence-only 95% CI {float(row['vs_default_seq_ci_low']):+.4f}, "
+            f"{float(row['vs_default_seq_ci_high']):+.4f}; {row['n_seeds']} seed(s)]")
+
+
+def _proxy_correlations(table: Path) -> list[str]:
+    """Per model: the range of proxy-vs-τ̂ Spearman ρ and the smallest Holm-adjusted p."""
+    if not table.exists():
+        return []
+    with table.open() as f:
+        rows = list(csv.DictReader(f))
+    lines = []
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model]
+        rho = [float(r["spearman"]) for r in mine]
+        best = min(mine, key=lambda r: float(r["spearman_p"]))
+        adjusted = min(1.0, len(mine) * float(best["spearman_p"]))
+        verdict = ("no proxy ranks trained drafts" if adjusted >= 0.05 else
+                   f"{best['proxy']} ({best['token_set']} tokens) ranks trained drafts")
+        lines.append(f"  {model}: {verdict} — proxy vs τ̂ over {best['n']} sets: Spearman ρ "
+                     f"{min(rho):+.2f} to {max(rho):+.2f}, smallest Holm-adjusted p "
+                     f"{adjusted:.2f} ({best['proxy']}, {best['token_set']} tokens; "
+                     f"{len(mine)} tests)")
+    return lines

@@ -1,0 +1,69 @@
+"""The one decoding comparison (``actwave.decoding.fastpath``): both shapes under measured
+linear routes, exact against greedy, and the path notebooks 07/09 and the benchmark share."""
+import argparse
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from actwave.config import repo_root
+from actwave.decoding import fastpath, linear_routes
+from actwave.decoding.evaluate import EvalConfig
+from actwave.eagle3 import Eagle3Draft
+from test_speculative import StubTokenizer
+
+NOTEBOOKS = ("07_speculative.py", "09_study_decoding.py")
+
+
+def _config(**changes):
+    base = dict(benchmarks=("humaneval", "sharegpt"), n_prompts=1, max_turns=1, max_new_tokens=6,
+                peers=False, mode="tree", depth=3, top_k=2, total_tokens=6, n_bootstrap=20)
+    return EvalConfig(**{**base, **changes})
+
+
+@pytest.mark.parametrize("routes", fastpath.ROUTES)
+def test_both_shapes_decode_exactly_and_say_what_ran(llama, tmp_path, routes):
+    torch.manual_seed(0)
+    drafts = {name: Eagle3Draft.from_target(llama, layers, draft_vocab_size=96).eval()
+              for name, layers in (("a", (1, 2, 4)), ("b", (0, 3, 4)))}
+    result = fastpath.compare(llama, StubTokenizer(), drafts, _config(), [], routes=routes,
+                              acceptance_prompts=2, out_dir=tmp_path, run_name="t")
+    summary = result.summary()
+    assert set(summary["pass"]) == {"fixed", "auto"} and set(summary["routes"]) == {routes}
+    assert (summary["exact_match_rate"] == 1.0).all()
+    assert set(summary[summary["pass"] == "fixed"]["shape"]) == {"tree 3/2/6"}
+    auto = summary[summary["pass"] == "auto"]["shape"].iloc[0]
+    assert auto.startswith(f"auto: {result.auto.mode} {result.auto.depth}/")
+    assert sorted(result.reach) == [1, 2, 4, 8] and 0 <= result.reach[1][0] <= 1
+    assert ("draft a" in result.tables) == (routes == "measured")
+    assert all(linear_routes.active(module) is None for module in (llama, *drafts.values()))
+    assert len(list(tmp_path.glob("t-fixed-*.json"))) == len(list(tmp_path.glob("t-auto-*.json"))) == 1
+
+
+def test_bad_routes_and_no_drafts_are_refused(llama):
+    with pytest.raises(ValueError, match="routes='fast'; allowed"):
+        fastpath.compare(llama, StubTokenizer(), {"a": Eagle3Draft.from_target(llama, (1, 2))},
+                         _config(), [], routes="fast")
+    with pytest.raises(ValueError, match="at least one draft"):
+        fastpath.compare(llama, StubTokenizer(), {}, _config(), [])
+
+
+class Reached(Exception):
+    pass
+
+
+def test_notebooks_and_benchmark_decode_through_the_same_function(monkeypatch):
+    """bench_speculative's comparison reaches ``fastpath.compare``; notebooks 07 and 09 call
+    it too (their sources), so a cited speedup has one code path."""
+    def reached(*args, **kwargs):
+        raise Reached(sorted(kwargs))
+    monkeypatch.setattr(fastpath, "compare", reached)
+    monkeypatch.syspath_prepend(str(repo_root() / "benchmarks"))
+    bench = importlib.import_module("bench_speculative")
+    args = bench.parse_args(["--n-prompts", "1", "--max-new-tokens", "4", "--device", "cpu"])
+    with pytest.raises(Reached):
+        bench.compare(args)
+    for name in NOTEBOOKS:
+        source = (repo_root() / "notebooks" / name).read_text()
+        assert "fastpath.compare(" in source, name

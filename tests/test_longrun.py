@@ -1,0 +1,278 @@
+"""Long runs (issue 21): WSD decay branches, resumable jobs, per-position records, the
+planner, rank stability and Holm-adjusted comparisons."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_sequences, tiny_model
+from scipy import stats as scipy_stats
+
+from actwave.decoding.acceptance import SequenceAcceptance, tau_hat
+from actwave.eagle3 import train as train_mod
+from actwave.eagle3.online import OnlineSource, train_online
+from actwave.eagle3.schedule import WSDSchedule, cost, wsd_factor
+from actwave.eagle3.train import Segment
+from actwave.study import longrun
+from actwave.study import stats as study_stats
+from actwave.study.runs import StudySet
+
+SETS = [StudySet("eagle3_default", (1, 2, 3), "default", 1),
+        StudySet("renyi2_exhaustive@filtered", (2, 3, 4), "selected", 1)]
+
+
+def _config(**changes):
+    """Budgets 2 / 4 / 8 steps: decays 1 / 1 / 2, branch points 1 / 3 / 6."""
+    values = dict(model="tiny", base_steps=2, multipliers=(1, 2, 4), decay_fraction=0.25,
+                  min_decay=1, warmup_steps=1, max_seq_len=32, ttt_steps=2,
+                  draft_vocab_size=64, checkpoint_every=2, eval_batch_size=3)
+    return longrun.LongRunConfig(**{**values, **changes})
+
+
+@torch.no_grad()
+def _greedy_source(target, n=5, prompt=4, new=14) -> OnlineSource:
+    """Sequences whose replies are the target's own greedy continuation (as the pools)."""
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, 128, (1, prompt), generator=generator)
+        for _ in range(new):
+            ids = torch.cat([ids, target(ids).logits[:, -1:].argmax(-1)], dim=1)
+        rows.append({"input_ids": ids[0].tolist(), "loss_mask": [p >= prompt for p in
+                                                                 range(prompt + new)]})
+    return OnlineSource.from_sequences(rows, "online-eval", "eval")
+
+
+def _run(tmp_path, target, config=None) -> longrun.LongRun:
+    train = OnlineSource.from_sequences(random_sequences(8, 0), "online-train", "train")
+    return longrun.LongRun(config or _config(), target, train, _greedy_source(target),
+                           tmp_path / "results", tmp_path / "work")
+
+
+# ----------------------------------------------------------------------------- schedule
+def test_wsd_factor_warms_up_holds_and_decays_to_zero_at_the_branch_end():
+    schedule = WSDSchedule(warmup_steps=4, budgets=(64, 256), decay_fraction=0.2, min_decay=16)
+    trunk, branch = schedule.trunk(), schedule.branch(256)
+    assert [trunk(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert all(trunk(s) == 1.0 for s in range(4, 100_000))  # the trunk never decays
+    assert schedule.decay_steps(64) == 16 and schedule.decay_steps(256) == 52
+    start = schedule.branch_start(256)
+    assert start == 204 and all(branch(s) == trunk(s) for s in range(start + 1))
+    decay = [branch(s) for s in range(start, 257)]
+    assert decay[-2] == pytest.approx(1 / 52) and decay[-1] == 0.0
+    assert np.allclose(np.diff(decay), -1 / 52)
+    assert wsd_factor(300, 4, start, 256) == 0.0
+    with pytest.raises(ValueError, match="before step"):
+        WSDSchedule(warmup_steps=10, budgets=(12,), decay_fraction=0.2, min_decay=4)
+
+
+def test_cost_counts_trunk_and_decays_against_separate_runs():
+    schedule = longrun.LongRunConfig(model="smollm2-135m").schedule()
+    assert schedule.budgets == (64, 256, 1024, 2048)
+    assert cost(schedule) == {"trunk": 1638, "branches": 683, "wsd": 2321, "separate": 3392}
+
+
+# ----------------------------------------------------------------------------- training
+def test_branch_from_trunk_checkpoint_equals_straight_run(tmp_path):
+    target = tiny_model("llama")
+    source = OnlineSource.from_sequences(random_sequences(8, 0), "online-train", "train")
+    schedule = WSDSchedule(warmup_steps=1, budgets=(4, 8), decay_fraction=0.25, min_decay=1)
+    config = _config().train_config((1, 2, 3), seed=0, total_steps=8)
+    start = schedule.branch_start(8)  # 6, between two checkpoint_every=4 checkpoints
+    config = train_mod.TrainConfig(**{**config.__dict__, "checkpoint_every": 4})
+    trunk = train_online(source, target, config, tmp_path / "trunk", progress=False,
+                         segment=Segment(schedule.trunk(), stop_at=start))
+    assert len(trunk.history) == start and not (tmp_path / "trunk" / "config.json").exists()
+    assert [row["lr"] for row in trunk.history[1:]] == [config.lr] * (start - 1)
+    branch = train_online(source, target, config, tmp_path / "branch", progress=False,
+                          segment=Segment(schedule.branch(8),
+                                          init_from=tmp_path / "trunk" / "checkpoints"
+                                          / f"step-{start:07d}"))
+    straight = train_online(source, target, config, tmp_path / "straight", progress=False,
+                            segment=Segment(schedule.branch(8)))
+    assert [r["loss"] for r in branch.history] == [r["loss"] for r in straight.history]
+    assert [r["lr"] for r in branch.history] == [r["lr"] for r in straight.history]
+    assert branch.history[-1]["lr"] == pytest.approx(config.lr / 2)  # d = 2: 1/2, then 0
+    for name, tensor in straight.draft.trainable_state_dict().items():
+        assert torch.equal(branch.draft.trainable_state_dict()[name], tensor), name
+    other = OnlineSource.from_sequences(random_sequences(8, 1), "online-other", "other")
+    with pytest.raises(ValueError, match="trained on online-train"):
+        train_online(other, target, config, tmp_path / "other", progress=False,
+                     segment=Segment(schedule.branch(8), init_from=tmp_path / "trunk"
+                                     / "checkpoints" / f"step-{start:07d}"))
+    with pytest.raises(ValueError, match="must lie between the start step 6"):  # the trunk cannot go back to step 3
+        train_online(source, target, config, tmp_path / "trunk", progress=False,
+                     segment=Segment(schedule.trunk(), stop_at=3))
+
+
+def _stable(record: dict) -> dict:
+    """A record without what depends on the clock or the machine."""
+    return {k: v for k, v in record.items() if k not in ("training", "machine", "versions")}
+
+
+def test_interrupted_run_resumes_to_identical_records(tmp_path, monkeypatch):
+    target = tiny_model("llama")
+    config = _config()
+    jobs = longrun.plan(SETS, config.budgets)
+    straight = longrun.run_jobs(jobs, _run(tmp_path / "straight", target), progress=False)
+    original = train_mod.history_row
+    for crash_at in (5, 8):  # inside the first trunk's last segment, then inside its branch
+        def crash(step, *args):
+            if step == crash_at:
+                raise KeyboardInterrupt("simulated crash")
+            return original(step, *args)
+        monkeypatch.setattr(train_mod, "history_row", crash)
+        with pytest.raises(KeyboardInterrupt):
+            longrun.run_jobs(jobs, _run(tmp_path / "resumed", target), progress=False)
+    monkeypatch.setattr(train_mod, "history_row", original)
+    resumed = longrun.run_jobs(jobs, _run(tmp_path / "resumed", target), progress=False)
+    assert [_stable(r) for r in resumed] == [_stable(r) for r in straight]
+    for record, job in zip(resumed, jobs):
+        assert record["training"]["steps"] == job.budget == record["budget"]
+        path = longrun.record_path(tmp_path / "resumed" / "results", job)
+        assert path.name == f"{job.label}-s0-b{job.budget}.json" and path.stat().st_size < 200_000
+    assert not list((tmp_path / "resumed" / "work").rglob("branch-points/step-*"))
+    report = longrun.status(jobs, tmp_path / "resumed" / "results", config.schedule())
+    assert report["missing"] == [] and report["remaining_seconds"] == 0
+
+
+def test_records_per_position_acceptance_reproduces_tau_and_walks(tmp_path):
+    target = tiny_model("llama")
+    run = _run(tmp_path, target)
+    record = longrun.run_job(longrun.plan(SETS, run.config.budgets)[0], run)
+    offline = record["offline"]
+    decoded = longrun.decode_positions(offline["positions"])
+    assert len(decoded) == offline["n_sequences"] == len(run.eval)
+    accepted = sum(int(a.sum()) for _, a in decoded)
+    roots = sum(r.size for r, _ in decoded)
+    assert roots == offline["n_roots"] and 1.0 + accepted / roots == offline["tau_hat"]
+    for (r, a), row in zip(decoded, offline["per_sequence"]):
+        assert (int(a.sum()), r.size) == (row["accepted"], row["roots"])
+        tau, rounds = longrun.sequence_walk(r, a, row["n_reply"])
+        assert rounds == row["walk_rounds"] and tau == pytest.approx(row["walk_tau"], abs=0)
+    assert len(offline["step_acceptance"]) == len(offline["step_agreement"]) == 2
+    assert record["data"]["eval"] == "online-eval" and record["schedule"]["branch_start"] == 1
+
+
+def test_positions_round_trip_and_walk_matches_decode_walk():
+    generator = torch.Generator().manual_seed(0)
+    results = []
+    for first, length in ((5, 40), (3, 17), (9, 1)):
+        accepted = torch.randint(0, 4, (length,), generator=generator)
+        results.append(SequenceAcceptance(accepted, torch.zeros(3), torch.arange(first,
+                                                                                 first + length)))
+    gap = SequenceAcceptance(torch.tensor([1, 0, 2]), torch.zeros(3), torch.tensor([4, 5, 9]))
+    encoded = longrun.encode_positions(results + [gap])
+    assert encoded["roots"][-1] == [[4, 2], [9, 1]]
+    decoded = longrun.decode_positions(json.loads(json.dumps(encoded)))
+    for (roots, accepted), result in zip(decoded, results + [gap]):
+        assert roots.tolist() == result.roots.tolist()
+        assert accepted.tolist() == result.accepted.tolist()
+    assert 1.0 + sum(a.sum() for _, a in decoded) / sum(r.size for r, _ in decoded) == \
+        tau_hat(results + [gap])
+    # a reply of n tokens has n − 1 roots; the walk jumps accepted + 1 tokens per round
+    tau, rounds = longrun.sequence_walk([5, 6, 7, 8], [2, 0, 0, 1], 5)
+    assert (tau, rounds) == (4 / 2, 2)
+    assert math.isnan(longrun.sequence_walk([4, 5, 9], [1, 0, 2], 4)[0])
+
+
+# ----------------------------------------------------------------------------- planner
+def test_plan_finishes_whole_budgets_first_and_status_estimates(tmp_path):
+    sets = [StudySet("zeta", (1, 2), "random", 1), StudySet(study_stats.PRIMARY, (2, 3), "s", 3),
+            StudySet(study_stats.REFERENCE, (1, 3), "default", 3)]
+    schedule = WSDSchedule(warmup_steps=6, budgets=(64, 256, 1024))
+    jobs = longrun.plan(sets, schedule.budgets)
+    assert [j.name for j in jobs[:4]] == [f"{study_stats.REFERENCE}-s0-b64",
+                                          f"{study_stats.PRIMARY}-s0-b64", "zeta-s0-b64",
+                                          f"{study_stats.REFERENCE}-s1-b64"]
+    assert len(jobs) == 3 * 7
+    first_big = min(i for i, j in enumerate(jobs) if j.budget == 1024)
+    assert all(i < first_big for i, j in enumerate(jobs) if j.seed == 0 and j.budget < 1024)
+    steps = longrun.job_steps(jobs, schedule)
+    trunk = [steps[j] for j in jobs if (j.label, j.seed) == ("zeta", 0)]
+    assert sum(trunk) == schedule.trunk_steps + sum(schedule.decay_steps(b)
+                                                   for b in schedule.budgets)
+    assert trunk[0] == 64
+    done = jobs[:5]
+    for job in done:
+        path = longrun.record_path(tmp_path, job)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"budget": job.budget, "training": {
+            "seconds": 2.0 * job.budget, "score_seconds": 10.0}}))
+    report = longrun.status(jobs, tmp_path, schedule)
+    assert report["done"] == [j.name for j in done] and report["missing"][0] == jobs[5].name
+    assert report["by_budget"] == {64: [5, 7], 256: [0, 7], 1024: [0, 7]}
+    assert report["seconds_per_step"] == 2.0 and report["score_seconds"] == 10.0
+    assert report["remaining_seconds"] == sum(2.0 * steps[j] + 10.0 for j in jobs[5:])
+
+
+def test_read_sets_takes_the_table_or_given_seeds(tmp_path):
+    path = tmp_path / "sets.csv"
+    path.write_text('label,layer_ids,kind,seeds\neagle3_default,"2,15,27",default,3\n'
+                    'top_layer,30,baseline,1\n')
+    sets = longrun.read_sets(path)
+    assert [(s.label, s.layer_ids, s.seeds) for s in sets] == [
+        ("eagle3_default", (2, 15, 27), 3), ("top_layer", (30,), 1)]
+    assert [s.seeds for s in longrun.read_sets(path, ["top_layer"], seeds=2)] == [2]
+    with pytest.raises(ValueError, match="no set"):
+        longrun.read_sets(path, ["missing"])
+
+
+# ----------------------------------------------------------------------------- statistics
+def _record(label, seed, budget, accepted, roots=(10, 10, 10, 10)):
+    return {"label": label, "seed": seed, "budget": budget, "layer_ids": [1], "kind": "x",
+            "training": {"tokens": 100 * budget},
+            "offline": {"per_sequence": [{"accepted": a, "roots": r}
+                                         for a, r in zip(accepted, roots)]}}
+
+
+def test_rank_stability_matches_scipy():
+    taus = {64: [0.1, 0.5, 0.3, 0.9, 0.7], 256: [0.2, 0.4, 0.6, 0.8, 0.5],
+            1024: [0.9, 0.1, 0.5, 0.3, 0.7]}
+    records = [_record(f"set{i}", 0, budget, [round(40 * t)] * 4)
+               for budget, values in taus.items() for i, t in enumerate(values)]
+    rows = study_stats.rank_stability(records, n_permutations=500)
+    assert [(r["budget"], r["next_budget"], r["n"]) for r in rows] == [(64, 256, 5),
+                                                                       (256, 1024, 5)]
+    for row, (x, y) in zip(rows, [(taus[64], taus[256]), (taus[256], taus[1024])]):
+        assert row["spearman"] == pytest.approx(scipy_stats.spearmanr(x, y)[0])
+        assert row["kendall"] == pytest.approx(scipy_stats.kendalltau(x, y)[0])
+        assert 0 < row["spearman_p"] <= 1 and 0 < row["kendall_p"] <= 1
+    curves = study_stats.budget_curves(records + [_record("set0", 1, 64, [8, 8, 8, 8])])
+    first = curves[0]
+    assert (first["label"], first["budget"], first["n_seeds"]) == ("set0", 64, 2)
+    assert first["tau_hat_min"] == 1.4 and first["tau_hat_max"] == 1.8  # τ̂ = 1 + 4t
+    assert first["tau_hat"] == pytest.approx(1.6) and first["tokens"] == 6400
+
+
+def test_holm_matches_hand_computation():
+    # sorted 0.005, 0.01, 0.03, 0.04 -> ×4, ×3, ×2, ×1 = 0.02, 0.03, 0.06, 0.04 -> monotone
+    assert study_stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert study_stats.holm([0.5, 0.4]) == [0.8, 0.8]
+    adjusted = study_stats.holm([0.2, math.nan, 0.6])
+    assert adjusted[0] == pytest.approx(0.4) and math.isnan(adjusted[1]) and adjusted[2] == 0.6
+
+
+def test_budget_comparisons_adjust_all_but_the_primary():
+    rng = np.random.default_rng(0)
+    labels = [study_stats.REFERENCE, study_stats.PRIMARY, "a", "b"]
+    records = [_record(label, seed, budget, rng.integers(0, 10 + 3 * i, size=6).tolist(),
+                       roots=[10] * 6)
+               for budget in (64, 256) for i, label in enumerate(labels) for seed in range(3)]
+    rows = study_stats.budget_comparisons(records, n_bootstrap=300)
+    assert [(r["budget"], r["label"]) for r in rows] == [
+        (b, label) for b in (64, 256) for label in sorted(labels[1:])]
+    for budget in (64, 256):
+        group = [r for r in records if r["budget"] == budget]
+        arms = study_stats.by_label(group)
+        found = {r["label"]: r for r in rows if r["budget"] == budget}
+        expected = study_stats.paired_difference(arms["a"], arms[study_stats.REFERENCE],
+                                                  n_bootstrap=300)
+        assert {k: found["a"][k] for k in expected} == expected
+        assert found["a"]["p_level"] == "seed×sequence"
+        family = [r for r in found.values() if not r["primary"]]
+        assert [r["p_holm"] for r in family] == study_stats.holm([r["p"] for r in family])
+    primary = [r for r in rows if r["primary"]]
+    assert [(r["budget"], r["label"]) for r in primary] == [(256, study_stats.PRIMARY)]
+    assert primary[0]["p_holm"] == primary[0]["p"]

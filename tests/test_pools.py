@@ -1,0 +1,24 @@
+"""Regenerated-text pools: one declaration per (model, split), refused by name otherwise."""
+import pytest
+
+from actwave.capture import pools
+from actwave.capture.regenerate import RegenConfig, output_dir
+
+
+def test_declared_pools_are_valid_configs_with_pinned_folder_names():
+    declared = pools.pool_configs()
+    assert "smollm2-135m" in declared and "gemma3-270m" not in declared
+    for model, splits in declared.items():
+        assert {"train", "eval"} <= set(splits)
+        for split, config in splits.items():
+            assert isinstance(config, RegenConfig) and (config.model, config.split) == (model, split)
+    train = pools.pool_config("smollm2-135m", "train")
+    assert train.n_conversations >= 3000  # long runs see each sequence at most ~2 times
+    assert output_dir(train).name.startswith("smollm2-135m-train-")
+
+
+def test_unknown_pool_is_refused_by_name():
+    with pytest.raises(ValueError, match="no regenerated-text pool for model 'gemma3-270m'"):
+        pools.pool_config("gemma3-270m", "train")
+    with pytest.raises(ValueError, match="no 'analysis' pool for 'smollm2-135m'"):
+        pools.pool_config("smollm2-135m", "analysis")

@@ -1,0 +1,56 @@
+"""On the real bundled SmolLM2-135M, fp32: speculative output equals greedy output under every
+linear route (chain and tree), and the offline decoding walk over per-position acceptance
+gives exactly the decoding τ on the same greedy text — the check the study's records allow."""
+import pytest
+import torch
+
+from actwave.capture import data
+from actwave.capture.models import stop_token_ids
+from actwave.decoding import linear_routes
+from actwave.decoding.acceptance import decode_walk
+from actwave.decoding.speculative import generate, greedy_generate
+from actwave.decoding.tree import TreeShape
+from actwave.eagle3 import Eagle3Draft
+from test_acceptance import fitted_draft, offline
+
+LAYERS = (2, 15, 27)  # EAGLE-3's default (2, N//2, N−3) for N = 30
+SHAPES = {"chain": TreeShape("chain", depth=3), "tree": TreeShape("tree", 3, 3, 8)}
+
+
+@pytest.fixture(scope="module")
+def real_case(smollm2):
+    """SmolLM2, a short held-out prompt, its 40-token greedy reply, and a draft fitted to that
+    text (acceptance long but imperfect, so rounds of every length occur)."""
+    target, tokenizer = smollm2
+    eos = stop_token_ids(tokenizer, "smollm2-135m")
+    prompts = [data.prompt_ids(tokenizer, [{"role": "user", "content": data.first_prompt(row["messages"])}])
+               for row in data.sharegpt_split("eval", 20)]
+    prompt = torch.tensor([next(p for p in prompts if 16 <= len(p) <= 80)])
+    reply = greedy_generate(target, prompt, 40, eos).tokens
+    sequence = torch.cat([prompt[0], torch.tensor(reply)])
+    counts = torch.bincount(sequence, minlength=target.get_input_embeddings().weight.shape[0])
+    draft = fitted_draft(target, sequence, steps=30, layers=LAYERS,
+                         make=lambda: Eagle3Draft.from_target(
+                             target, LAYERS, draft_vocab_size=512, token_counts=counts.float()))
+    return target, prompt, reply, sequence, draft, eos
+
+
+@pytest.mark.parametrize("routes", ["stock", "measured"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_speculative_equals_greedy_on_smollm2_under_each_route(real_case, shape, routes):
+    target, prompt, reply, _, draft, eos = real_case
+    modules = {"smollm2-135m": target, "draft": draft} if routes == "measured" else {}
+    with linear_routes.routed(modules):
+        greedy = greedy_generate(target, prompt, len(reply), eos).tokens
+        spec = generate(target, draft, prompt, len(reply), eos_token_ids=eos, shape=SHAPES[shape])
+    assert spec.tokens == greedy == reply
+    assert spec.tau > 1.2  # the fitted draft is accepted: multi-token rounds are exercised
+
+
+def test_offline_walk_equals_decoding_tau_on_smollm2(real_case):
+    target, prompt, reply, sequence, draft, eos = real_case
+    spec = generate(target, draft, prompt, len(reply), eos_token_ids=eos, shape=SHAPES["chain"])
+    result = offline(draft, target, sequence, prompt.shape[1], depth=3, layers=LAYERS)
+    walk_tau, rounds = decode_walk(dict(zip(result.roots.tolist(), result.accepted.tolist())),
+                                   prompt.shape[1], len(reply))
+    assert rounds == sum(spec.accept_counts) and walk_tau == spec.tau

@@ -1,0 +1,89 @@
+"""Package structure: the imports between actwave's own modules form no cycle.
+
+Every ``import`` statement of every module under lib/actwave counts, at module level and
+inside functions (a lazy import still ties the two modules together)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+LIB = Path(__file__).resolve().parents[1] / "lib"
+PACKAGE = "actwave"
+
+
+def module_names() -> dict[str, Path]:
+    """{dotted module name: file} for every module of the package (``__init__`` = the package)."""
+    names = {}
+    for path in sorted((LIB / PACKAGE).rglob("*.py")):
+        parts = path.relative_to(LIB).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The absolute module an ``from … import`` names (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imported_modules(module: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that ``module`` imports anywhere in its file. ``from a import b``
+    counts as importing ``a.b`` when that is a module, else ``a``."""
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(node, module, path.name == "__init__.py")
+            targets.update(f"{source}.{alias.name}" if f"{source}.{alias.name}" in known
+                           else source for alias in node.names)
+    return {name for name in targets if name in known and name != module}
+
+
+def import_graph() -> dict[str, set[str]]:
+    names = module_names()
+    return {module: imported_modules(module, path, set(names)) for module, path in names.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as [a, b, …, a], or None (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    for start in sorted(graph):
+        if start in state:
+            continue
+        path, stack = [start], [iter(sorted(graph[start]))]
+        state[start] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+def test_find_cycle_reports_the_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_graph_sees_function_level_and_relative_imports(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("from . import b\ndef f():\n    from actwave.c import d\n")
+    known = {"actwave.a.b", "actwave.c", "actwave.a.m"}
+    assert imported_modules("actwave.a.m", source, known) == {"actwave.a.b", "actwave.c"}
+
+
+def test_import_graph_is_acyclic():
+    graph = import_graph()
+    assert len(graph) > 20 and any(graph.values())
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle in lib/actwave: " + " -> ".join(cycle)
