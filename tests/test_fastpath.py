@@ -38,7 +38,8 @@ def test_both_shapes_decode_exactly_and_say_what_ran(llama, tmp_path, routes):
     assert sorted(result.reach) == [1, 2, 4, 8] and 0 <= result.reach[1][0] <= 1
     assert ("draft a" in result.tables) == (routes == "measured")
     assert all(linear_routes.active(module) is None for module in (llama, *drafts.values()))
-    assert len(list(tmp_path.glob("t-fixed-*.json"))) == len(list(tmp_path.glob("t-auto-*.json"))) == 1
+    assert len(list(tmp_path.glob("t-fixed-*/manifest.json"))) == 1  # one run folder per pass
+    assert len(list(tmp_path.glob("t-auto-*/manifest.json"))) == 1
 
 
 def test_bad_routes_and_no_drafts_are_refused(llama):

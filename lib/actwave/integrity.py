@@ -332,6 +332,15 @@ def write_record(path: Path | str, record: dict) -> dict:
     return plain
 
 
+def save_config_record(directory: Path | str, config, **extra) -> Path:
+    """``config.json`` beside an artifact (``config.config_record``: the config, its hash,
+    versions, extras) as a checksummed record; read it back with ``read_record``."""
+    from actwave.config import config_record
+    path = Path(directory) / "config.json"
+    write_record(path, config_record(config, **extra))
+    return path
+
+
 def read_record(path: Path | str, repair: str) -> dict:
     """A JSON record written by ``write_record``, its self-checksum verified (the field is
     removed from the result). Unreadable JSON, a missing checksum (every record the current

@@ -45,12 +45,13 @@ import torch
 from safetensors.torch import load_file, save
 from torch import nn
 
-from actwave.config import atomic_write_bytes, save_config
+from actwave.config import atomic_write_bytes
 from actwave.eagle3.config import Eagle3Config, check_target_config, config_from_target
 from actwave.eagle3.layers import Eagle3DecoderLayer, RMSNorm, RotaryEmbedding
 from actwave.eagle3.vocab import build_draft_vocab, draft_target_ids
 from actwave.integrity import (IntegrityError, bytes_record, describe_model, identity_mismatch,
-                               model_identity, read_record, require_finite_tensors, verify_file)
+                               model_identity, read_record, require_finite_tensors,
+                               save_config_record, verify_file)
 
 CHECKPOINT_FORMAT = "actwave-eagle3-v1"
 WEIGHTS_NAME = "model.safetensors"
@@ -219,8 +220,8 @@ class Eagle3Draft(nn.Module):
         tensors = self.trainable_state_dict()
         require_finite_tensors(f"draft for {directory}", tensors)
         weights = save_tensors(directory / WEIGHTS_NAME, tensors)
-        save_config(directory, self.config.to_dict(), format=CHECKPOINT_FORMAT, weights=weights,
-                    target=self.target_identity)
+        save_config_record(directory, self.config.to_dict(), format=CHECKPOINT_FORMAT,
+                           weights=weights, target=self.target_identity)
         return directory
 
     @classmethod

@@ -41,13 +41,14 @@ from safetensors.torch import save as save_tensors
 from tqdm import tqdm
 
 from actwave.capture.forward import target_logits
-from actwave.config import atomic_write_bytes, atomic_write_json, config_hash, save_config
+from actwave.config import atomic_write_bytes, atomic_write_json, config_hash
 from actwave.eagle3.model import Eagle3Draft
 from actwave.eagle3.ttt import TTTLoss, TTTOutput
 from actwave.eagle3.vocab import draft_target_ids, token_frequencies
 from actwave.integrity import (IntegrityError, WriterLock, bytes_record, describe_model,
                                identity_mismatch, int_ids, model_identity, read_json, read_record,
-                               require_finite_tensors, require_int, require_real, verify_file)
+                               require_finite_tensors, require_int, require_real,
+                               save_config_record, verify_file)
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -606,11 +607,11 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
     if accelerator.is_main_process:
         draft.save_pretrained(out_dir / "draft")
         write_history(out_dir / "eval.csv", eval_history)
-        save_config(out_dir, config, complete=True, seconds=seconds, metrics=metrics,
-                    store=str(source.path), store_digest=source.digest,
-                    eval_store_digest=eval_store.digest if eval_store is not None else None,
-                    target=draft.target_identity,
-                    n_train_sequences=len(data), n_train_tokens=data.n_tokens)
+        save_config_record(out_dir, config, complete=True, seconds=seconds, metrics=metrics,
+                           store=str(source.path), store_digest=source.digest,
+                           eval_store_digest=eval_store.digest if eval_store is not None
+                           else None, target=draft.target_identity,
+                           n_train_sequences=len(data), n_train_tokens=data.n_tokens)
     accelerator.wait_for_everyone()
     return TrainResult(draft, history, out_dir, out_dir / "draft", seconds, metrics)
 

@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from actwave.config import artifact_dir, save_config, to_jsonable
-from actwave.integrity import (IntegrityError, WriterLock, file_record, read_record, verify_once,
-                               write_record)
+from actwave.config import artifact_dir, to_jsonable
+from actwave.integrity import (IntegrityError, WriterLock, file_record, read_record,
+                               save_config_record, verify_once, write_record)
 from actwave.stats.blockstats import block_pair_layer_stats
 from actwave.stats.metrics import LayerStats, StreamingLayerStats, token_filter, unit_rows
 
@@ -229,7 +229,7 @@ def save_layer_stats(directory: Path, stats: LayerStats, key: dict, **extra) -> 
     write_record(directory / "stats.json",
                  {k: v for k, v in record.items() if not isinstance(v, torch.Tensor)})
     files = {name: file_record(directory / name) for name in STATS_FILES}
-    save_config(directory, key, files=files, **extra)
+    save_config_record(directory, key, files=files, **extra)
 
 
 STATS_FILES = ("stats.safetensors", "stats.json")
