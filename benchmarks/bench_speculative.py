@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import time
 
 import pandas as pd
 import torch

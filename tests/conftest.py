@@ -64,7 +64,7 @@ def tiny_store(path, model, sequences: list[dict], sequences_per_shard: int | No
     """A real capture store of ``sequences`` (capture_batch per shard, float32 states,
     manifest with shard records) in the existing folder ``path``."""
     from actwave.capture import store as store_mod
-    from actwave.config import atomic_write_json
+    from actwave.integrity import model_identity
 
     per_shard = sequences_per_shard or len(sequences)
     shards = []
@@ -72,12 +72,13 @@ def tiny_store(path, model, sequences: list[dict], sequences_per_shard: int | No
         chunk = sequences[first: first + per_shard]
         columns = store_mod.capture_batch(model, chunk, first, {0}, torch.float32)
         name = f"shard-{number:05d}.safetensors"
-        store_mod._write_shard(path / name, columns)
+        record = store_mod._write_shard(path / name, columns)
         shards.append({"file": name, "n_tokens": int(columns["input_ids"].numel()),
-                       "first_sequence": first, "n_sequences": len(chunk)})
-    atomic_write_json(path / "manifest.json", {
+                       "first_sequence": first, "n_sequences": len(chunk), **record})
+    store_mod.write_manifest(path, {
         "num_layers": model.config.num_hidden_layers, "hidden_size": model.config.hidden_size,
         "vocab_size": model.config.vocab_size, "config_hash": config_hash,
+        "model": model_identity(model), "n_sequences": len(sequences),
         "n_tokens": sum(s["n_tokens"] for s in shards), "complete": True, "shards": shards})
     return store_mod.CaptureStore(path)
 

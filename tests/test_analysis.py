@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from actwave.capture.store import CaptureStore
+from actwave.capture.store import CaptureStore, write_manifest
+from actwave.integrity import IntegrityError, file_record, write_record
 from actwave.stats import metrics as M
 from actwave.stats.analysis import (AnalysisConfig, compute_layer_stats, load_layer_stats,
                                     token_keep_mask, token_settings)
@@ -33,12 +34,13 @@ def write_store(path, seed: int = 0) -> dict:
                    "seq_index": torch.full((n,), index), "position": torch.arange(n)}
         name = f"shard-{index:05d}.safetensors"
         save_file(columns, str(path / name))
-        shards.append({"file": name, "n_tokens": n})
+        shards.append({"file": name, "n_tokens": n, "first_sequence": index, "n_sequences": 1,
+                       **file_record(path / name)})
         parts.append(columns)
     manifest = {"num_layers": N_LAYERS, "hidden_size": DIM, "n_tokens": sum(SHARD_SIZES),
                 "storage_dtype": "bfloat16", "complete": True, "config_hash": f"fake{seed}",
-                "shards": shards}
-    (path / "manifest.json").write_text(json.dumps(manifest))
+                "n_sequences": len(SHARD_SIZES), "shards": shards}
+    write_manifest(path, manifest)
     return {k: torch.cat([p[k] for p in parts], dim=1 if k == "hidden" else 0) for k in parts[0]}
 
 
@@ -100,7 +102,10 @@ def test_recorded_counts_and_refused_mismatching_cache(store):
     assert counts["n_used"] == stats.n_tokens == counts["n_filter_kept"]
     assert counts["filter_kept_fraction"] == pytest.approx(stats.n_tokens / counts["n_candidates"])
     record["config"]["analysis"]["filter_value"] = 0.8
-    (folder / "config.json").write_text(json.dumps(record))
+    (folder / "config.json").write_text(json.dumps(record))  # an edit without its checksum
+    with pytest.raises(IntegrityError, match="config.json: record_sha256 expected"):
+        load_layer_stats(folder)
+    write_record(folder / "config.json", record)  # consistent, but made for another config
     with pytest.raises(ValueError, match="were made for"):
         compute_layer_stats(capture, config, progress=False, name="probe")
     assert load_layer_stats(folder).n_tokens == stats.n_tokens  # loads when no key is given

@@ -193,7 +193,6 @@ def test_tiny_model_statistics_stay_under_a_budget_the_all_pairs_route_exceeds(t
     from conftest import tiny_model
 
     from actwave.capture import store as store_mod
-    from actwave.config import atomic_write_json
     from actwave.stats.analysis import AnalysisConfig, compute_layer_stats
     monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
     model = tiny_model(hidden_size=768, intermediate_size=768, num_attention_heads=4,
@@ -204,11 +203,13 @@ def test_tiny_model_statistics_stay_under_a_budget_the_all_pairs_route_exceeds(t
     path = tmp_path / "store"
     path.mkdir()
     columns = store_mod.capture_batch(model, sequences, 0, {0}, torch.float32)
-    store_mod._write_shard(path / "shard-00000.safetensors", columns)
+    record = store_mod._write_shard(path / "shard-00000.safetensors", columns)
     n = int(columns["input_ids"].numel())
-    atomic_write_json(path / "manifest.json", {
+    store_mod.write_manifest(path, {
         "num_layers": 8, "hidden_size": 768, "n_tokens": n, "config_hash": "tiny-wide",
-        "complete": True, "shards": [{"file": "shard-00000.safetensors", "n_tokens": n}]})
+        "n_sequences": len(sequences), "complete": True,
+        "shards": [{"file": "shard-00000.safetensors", "n_tokens": n, "first_sequence": 0,
+                    "n_sequences": len(sequences), **record}]})
     capture = store_mod.CaptureStore(path)
     all_pairs_need = M.StreamingLayerStats.accumulator_bytes(9, 768)
     budget = B.fixed_bytes(9, 768) + 2 * 8 * 768 * 768

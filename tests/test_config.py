@@ -13,9 +13,10 @@ import pytest
 import yaml
 
 from actwave import config, index
-from actwave.capture.store import CaptureConfig, store_dir
+from actwave.capture.store import CaptureConfig, store_dir, store_key, write_manifest
 from actwave.decoding.evaluate import EvalConfig
 from actwave.eagle3.train import TrainConfig
+from actwave.integrity import bytes_record
 from actwave.stats.selection_report import DRAFT_SOURCES, SelectionConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,33 +66,56 @@ def test_library_defaults_are_the_cpu_profile(cls):
             f"{cls.__name__}.{field} defaults to {defaults[field]!r}, cpu.yaml {key}={expected!r}"
 
 
+# Store folders of the cpu profile's captures: keyed by the config and the digest of the
+# bundled model's files (actwave.capture.store.store_key). Pinned: a change of key layout
+# must be deliberate. The committed results/cpu indexes name the folders of the run that
+# made them; they follow this layout once ./reproduce.sh reruns notebook 01.
+CPU_STORES = {("smollm2-135m", "analysis"): "smollm2-135m-analysis-550050f6d359",
+              ("gemma3-270m", "analysis"): "gemma3-270m-analysis-3fca4123f3a9",
+              ("smollm2-135m", "train"): "smollm2-135m-train-1d627e144e7a"}
+
+
 def test_capture_configs_rebuild_the_committed_cpu_stores(tmp_path, monkeypatch):
     monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path))
     configs = cpu_capture_configs()
     committed = json.loads((CPU_RESULTS / f"{index.STORES}.json").read_text())
-    assert json.loads(json.dumps(index.stores_index(configs))) == committed
+    built = json.loads(json.dumps(index.stores_index(configs)))
+    assert {m: {s: e["config"] for s, e in splits.items()} for m, splits in built.items()} \
+        == {m: {s: e["config"] for s, e in splits.items()} for m, splits in committed.items()}
     assert list(configs) == [("smollm2-135m", "analysis"), ("gemma3-270m", "analysis"),
                              ("smollm2-135m", "train")]
+    for (model, split), capture in configs.items():
+        assert built[model][split]["store"] == f"capture/{CPU_STORES[model, split]}"
+        assert store_dir(capture).name == CPU_STORES[model, split] == (
+            f"{model}-{split}-{config.config_hash(store_key(capture))}")
     recorded = json.loads((CPU_RESULTS / "05_selection_config.json").read_text())["captures"]
     assert {m: config.config_hash(c) for (m, s), c in configs.items() if s == "analysis"} \
-        == recorded
+        == recorded  # the stores' config hashes (manifest "config_hash") are unchanged
     table = (CPU_RESULTS / "01_capture.csv").read_text()
-    for (model, split), capture in configs.items():
-        assert f"{model}-{split}-{config.config_hash(capture)}" in table
+    for model, split in configs:
+        assert f"\n{model},{split}," in table
 
 
 def test_draft_dirs_rebuild_the_committed_cpu_drafts(tmp_path, monkeypatch):
+    """Draft folders are keyed by the train config, the target's file digest and both
+    stores' content digests (here stand-ins: the real ones need the captured stores)."""
     monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path))
-    stores = {split: SimpleNamespace(config_hash=config.config_hash(capture))
-              for (model, split), capture in cpu_capture_configs().items()
-              if model == "smollm2-135m"}
+    stores = {"train": SimpleNamespace(digest="0" * 16), "analysis": SimpleNamespace(digest="1" * 16)}
     sets = json.loads((CPU_RESULTS / "05_candidate_sets.json").read_text())["smollm2-135m"]
     drafts = json.loads((CPU_RESULTS / "06_drafts.json").read_text())["smollm2-135m"]
     assert sorted(sets) == sorted(drafts) == sorted(DRAFT_SOURCES)
+    folders = {}
     for label, layers in sets.items():
-        folder = index.draft_dir("smollm2-135m", cpu_train_config(layers), stores["train"],
-                                 stores["analysis"])
-        assert index.cache_relative(folder / "draft") == drafts[label]
+        train = cpu_train_config(layers)
+        folder = index.draft_dir("smollm2-135m", train, stores["train"], stores["analysis"])
+        name = f"smollm2-135m-L{'-'.join(map(str, layers))}"
+        assert folder.name == f"{name}-{config.config_hash(index.draft_key('smollm2-135m', train, stores['train'], stores['analysis']))}"
+        assert drafts[label].startswith(f"drafts/{name}-")  # the committed run's folder name
+        folders[label] = folder
+    assert folders["eagle3_default"].name == "smollm2-135m-L2-15-27-501b979f2aee"  # pinned
+    other = index.draft_dir("smollm2-135m", cpu_train_config(sets["eagle3_default"]),
+                            SimpleNamespace(digest="2" * 16), stores["analysis"])
+    assert other != folders["eagle3_default"]  # another train store: another draft
 
 
 def test_capture_configs_need_trained_models_among_models():
@@ -123,8 +147,11 @@ def test_stores_index_round_trip_opens_the_indexed_store(tmp_path, monkeypatch):
     monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
     capture = CaptureConfig(model="smollm2-135m", split="analysis", n_sequences=2)
     folder = store_dir(capture)
-    config.atomic_write_json(folder / "manifest.json", {"complete": True, "shards": [],
-                                                         "config": config.to_jsonable(capture)})
+    (folder / "shard-00000.safetensors").write_bytes(b"stand-in")  # opened by size only
+    write_manifest(folder, {"complete": True, "config": config.to_jsonable(capture),
+                            "n_sequences": 2, "n_tokens": 3, "shards": [
+                                {"file": "shard-00000.safetensors", "first_sequence": 0,
+                                 "n_sequences": 2, "n_tokens": 3, **bytes_record(b"stand-in")}]})
     results = tmp_path / "results" / "p"
     built = index.stores_index({("smollm2-135m", "analysis"): capture})
     assert built["smollm2-135m"]["analysis"]["store"] == f"capture/{folder.name}"

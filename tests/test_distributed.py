@@ -151,7 +151,7 @@ def test_online_training_equals_store_training(tmp_path):
     for name, tensor in _weights(from_store.draft).items():
         torch.testing.assert_close(_weights(online.draft)[name], tensor, rtol=1e-4, atol=1e-5)
     record = json.loads((tmp_path / "online-run" / "config.json").read_text())
-    assert record["store_config_hash"] == "online-test" and record["n_train_sequences"] == 10
+    assert record["store_digest"] == "online-test" and record["n_train_sequences"] == 10
     with pytest.raises(ValueError, match="trained on capture store online-test"):
         train_mod.train_draft(store, target, config, tmp_path / "online-run", progress=False)
 
@@ -201,7 +201,7 @@ def test_online_command_line_trains_from_a_model_folder(tmp_path, monkeypatch):
                  "--max_seq_len", "48", "--draft_vocab_size", "64", "--checkpoint_every", "2"])
     record = json.loads((tmp_path / "run" / "config.json").read_text())
     assert record["complete"] and record["config"]["layer_ids"] == [2, 4, 5]
-    assert record["store_config_hash"].startswith("online-") and record["n_train_sequences"] == 3
+    assert record["store_digest"].startswith("online-") and record["n_train_sequences"] == 3
     assert record["store"] == f"online:{folder}/train"
     assert not (tmp_path / "cache" / "capture").exists()
 

@@ -184,7 +184,8 @@ def two_processes(folder, small_sharegpt, tmp_path_factory):
 def _store_path(cache, folder):
     """Where ``store_dir`` puts the capture under the cache root ``cache``."""
     config = _config(folder)
-    return cache / "capture" / f"{slug(config.model)}-{config.split}-{config_hash(config)}"
+    key = config_hash(store_mod.store_key(config))  # config + digest of the model's files
+    return cache / "capture" / f"{slug(config.model)}-{config.split}-{key}"
 
 
 def _store_in(cache, folder) -> store_mod.CaptureStore:

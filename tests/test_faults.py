@@ -559,6 +559,9 @@ def test_finished_draft_from_another_store_is_refused(target, trained, tmp_path)
     other = shutil.copytree(train_store.path, tmp_path / "other")
     manifest = json.loads((other / "manifest.json").read_text())
     (other / "manifest.json").write_text(json.dumps({**manifest, "config_hash": "another"}))
+    with pytest.raises(IntegrityError, match="manifest.json: record_sha256 expected"):
+        store.CaptureStore(other)  # an edit without its checksum
+    store.write_manifest(other, {**manifest, "config_hash": "another"})  # another store's digest
     with pytest.raises(ValueError, match="holds a draft trained on capture store"):
         train_mod.train_draft(store.CaptureStore(other), target, config, tmp_path / "run",
                               progress=False)

@@ -427,7 +427,7 @@ def test_evaluate_resumes_only_records_of_the_same_draft_weights(llama, tmp_path
                         peers=False, mode="chain", depth=2, n_bootstrap=10)
     draft = random_draft(llama)
     first = evaluate(llama, StubTokenizer(), {"d": draft}, config, [], out_dir=tmp_path)
-    assert len(list(tmp_path.glob("*.json"))) == 1 and len(first["records"]) == 2
+    assert len(list(tmp_path.glob("*/manifest.json"))) == 1 and len(first["records"]) == 2
     again = evaluate(llama, StubTokenizer(), {"d": draft}, config, [], out_dir=tmp_path)
     for column in ("method", "seconds", "tokens"):  # loaded, not re-timed
         assert again["records"][column].tolist() == first["records"][column].tolist()
@@ -437,7 +437,7 @@ def test_evaluate_resumes_only_records_of_the_same_draft_weights(llama, tmp_path
         retrained.fc.weight.add_(0.01)
     assert retrained.fingerprint() != draft.fingerprint()
     evaluate(llama, StubTokenizer(), {"d": retrained}, config, [], out_dir=tmp_path)
-    assert len(list(tmp_path.glob("*.json"))) == 2
+    assert len(list(tmp_path.glob("*/manifest.json"))) == 2
 
 
 def test_section_clock_adds_laps_to_their_section_and_refuses_unknown_ones():

@@ -82,7 +82,7 @@ def test_stale_and_corrupted_caches_are_refused(tiny_target, tokenizer):
     s = store.run_capture(config, tiny_target, tokenizer, progress=False)
     manifest = json.loads((s.path / "manifest.json").read_text())
     manifest["complete"], manifest["dataset_hash"] = False, "0000"
-    (s.path / "manifest.json").write_text(json.dumps(manifest))
+    store.write_manifest(s.path, manifest)  # a consistent (checksummed) but stale record
     with pytest.raises(ValueError, match="stale capture cache"):
         store.run_capture(config, tiny_target, tokenizer, progress=False)
     (s.path / "manifest.json").write_text("{not json")

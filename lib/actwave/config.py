@@ -1,10 +1,12 @@
 """Configs, artifact keys and atomic writes shared by every stage.
 
 Each stage has one typed dataclass config. Its artifact lives under
-``cache_dir()/<stage>/<name>-<hash>/`` where the hash is the sha256 of the sorted-JSON
-config plus ``CODE_VERSION`` (bump it when an artifact format or algorithm changes, so
-stale caches are never reused). Beside each artifact: ``config.json`` with the config,
-the seed, and package versions.
+``cache_dir()/<stage>/<name>-<hash>/`` where the hash is the sha256 of the sorted-JSON key
+plus ``CODE_VERSION`` (bump it when an artifact format or algorithm changes, so stale
+caches are never reused); the key is the config together with the content digests of the
+artifact's inputs (``actwave.integrity``, "Provenance"). Beside each artifact:
+``config.json`` with the key, the seed, package versions (and, written by
+``integrity.save_config_record``, its own checksum).
 """
 from __future__ import annotations
 
@@ -98,12 +100,17 @@ def atomic_write_json(path: Path | str, obj: Any) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def config_record(config: Any, **extra: Any) -> dict:
+    """The record ``config.json`` holds: the config, its hash, versions and extras."""
+    return {"config": to_jsonable(config), "config_hash": config_hash(config),
+            "code_version": CODE_VERSION, "versions": package_versions(), **extra}
+
+
 def save_config(directory: Path | str, config: Any, **extra: Any) -> Path:
-    """``config.json`` beside an artifact: the config, its hash, versions and extras."""
-    record = {"config": to_jsonable(config), "config_hash": config_hash(config),
-              "code_version": CODE_VERSION, "versions": package_versions(), **extra}
+    """``config.json`` beside an artifact (``config_record``). Artifacts read back as
+    records use ``actwave.integrity.save_config_record`` (the same, self-checksummed)."""
     path = Path(directory) / "config.json"
-    atomic_write_json(path, record)
+    atomic_write_json(path, config_record(config, **extra))
     return path
 
 

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from actwave.capture.models import slug
+from actwave.capture.models import model_digest, slug
 from actwave.capture.store import CaptureConfig, CaptureStore, store_dir
 from actwave.config import artifact_dir, cache_dir, to_jsonable
 
@@ -102,10 +102,18 @@ def open_stores(results_dir: Path | str, models: list[str],
             for model, splits in entries.items()}
 
 
+def draft_key(model: str, config: Any, train_store: CaptureStore,
+              eval_store: CaptureStore) -> dict:
+    """What names a draft: its ``TrainConfig``, the content digest of the target's files
+    (``models.model_digest``) and the content digests of both stores (``CaptureStore.digest``),
+    so a new target or a recaptured store never reuses an old draft."""
+    return {"train": config, "model": model, "target": model_digest(model),
+            "store": train_store.digest, "eval_store": eval_store.digest}
+
+
 def draft_dir(model: str, config: Any, train_store: CaptureStore,
               eval_store: CaptureStore) -> Path:
-    """Cache folder of one draft: keyed by its ``TrainConfig``, the model and both stores."""
-    key = {"train": config, "model": model, "store": train_store.config_hash,
-           "eval_store": eval_store.config_hash}
+    """Cache folder of one draft, keyed by ``draft_key``."""
+    key = draft_key(model, config, train_store, eval_store)
     layers = "-".join(str(layer) for layer in config.layer_ids)
     return artifact_dir("drafts", key, name=f"{slug(model)}-L{layers}")

@@ -5,10 +5,19 @@
   ``config.json``. Readers check sizes when they open an artifact and checksums lazily,
   once per file and process (``verify_once``), so a flipped byte is refused with an
   ``IntegrityError`` naming the file, the expected and found values and the call that
-  repairs it. Records from before checksums existed are accepted unverified.
+  repairs it.
+- **Checksummed records.** JSON records (manifests, ``config.json`` of drafts, statistics
+  and training runs, evaluation manifests) are written by ``write_record`` with the sha256
+  of their own canonical JSON (``record_sha256``) and read by ``read_record``, which refuses
+  an edited record and one without the field.
+- **Provenance.** Every artifact's key holds the content digests of its inputs
+  (``content_digest`` of their file records; ``models.model_digest`` of a model's files),
+  so new inputs give new keys and nothing stale is ever reused: model files -> capture
+  store -> layer statistics, drafts, study records -> evaluation runs.
 - **Fingerprints.** ``model_fingerprint`` names a target by its name, class, config,
-  parameter shapes, weights and dtype, so an artifact refuses a model it was not made
-  with.
+  parameter shapes, weights and dtype; ``model_identity`` adds the dtype-free config and
+  the model's file digest, and ``identity_mismatch`` compares two identities (in another
+  dtype by the file digests), so an artifact refuses a model it was not made with.
 - **One writer at a time.** ``WriterLock`` ``flock``s ``<artifact folder>/.lock`` (with a
   pid + host record for messages) while a producer writes; a second writer waits (or
   fails naming the holder's pid, host and the file). The kernel releases the lock when
@@ -372,3 +381,118 @@ class WriterLock:
         _held.discard((os.getpid(), str(self.path.resolve())))
         os.close(self._fd)
         self._fd = None
+
+
+# ----------------------------------------------------------------------------- records
+# JSON records (manifests, config.json of drafts and statistics, evaluation manifests) carry
+# the sha256 of their own canonical JSON under this field, checked on every read.
+RECORD_CHECKSUM = "record_sha256"
+
+
+def canonical_json(obj) -> bytes:
+    """The sorted, compact JSON bytes of ``obj`` (tuples as lists, paths as strings): what
+    checksums and digests are taken of, independent of indentation on disk."""
+    from actwave.config import to_jsonable
+    return json.dumps(to_jsonable(obj), sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False).encode()
+
+
+def content_digest(obj, length: int = 16) -> str:
+    """sha256 (``length`` hex) of ``obj``'s canonical JSON: the digest of an artifact is the
+    digest of its file records (``{"file", "bytes", "sha256", ...}``) and its inputs' digests,
+    so equal contents give equal keys and any change of content a new one."""
+    return sha256_bytes(canonical_json(obj))[:length]
+
+
+def record_checksum(record: dict) -> str:
+    """sha256 of a record's canonical JSON without its ``RECORD_CHECKSUM`` field."""
+    return sha256_bytes(canonical_json({k: v for k, v in record.items() if k != RECORD_CHECKSUM}))
+
+
+def write_record(path: Path | str, record: dict) -> dict:
+    """Write a JSON record atomically with its self-checksum; -> the record as written
+    (plain JSON values, checksum field included)."""
+    from actwave.config import atomic_write_json, to_jsonable
+    plain = {k: v for k, v in to_jsonable(record).items() if k != RECORD_CHECKSUM}
+    plain[RECORD_CHECKSUM] = record_checksum(plain)
+    atomic_write_json(path, plain)
+    return plain
+
+
+def save_config_record(directory: Path | str, config, **extra) -> Path:
+    """``config.json`` beside an artifact (``config.config_record``: the config, its hash,
+    versions, extras) as a checksummed record; read it back with ``read_record``."""
+    from actwave.config import config_record
+    path = Path(directory) / "config.json"
+    write_record(path, config_record(config, **extra))
+    return path
+
+
+def read_record(path: Path | str, repair: str) -> dict:
+    """A JSON record written by ``write_record``, its self-checksum verified (the field is
+    removed from the result). Unreadable JSON, a missing checksum (every record the current
+    code writes has one) or a mismatch -> IntegrityError naming the file."""
+    record = read_json(path, repair)
+    if not isinstance(record, dict):
+        raise IntegrityError(path, "content", "a JSON object", type(record).__name__, repair)
+    if RECORD_CHECKSUM not in record:
+        raise IntegrityError(path, RECORD_CHECKSUM, "a self-checksum field",
+                             "none (not written by actwave.integrity.write_record)", repair)
+    found = record_checksum(record)
+    if found != record[RECORD_CHECKSUM]:
+        raise IntegrityError(path, RECORD_CHECKSUM, record[RECORD_CHECKSUM], found, repair)
+    return {k: v for k, v in record.items() if k != RECORD_CHECKSUM}
+
+
+# ----------------------------------------------------------------------------- model identity
+def model_identity(model: torch.nn.Module) -> dict:
+    """``model_fingerprint`` plus what survives a change of dtype: ``arch_sha256`` (the config
+    without its dtype) and ``digest`` (``models.model_digest`` of the files the model was
+    loaded from, None for a model that has no readable files, e.g. one built in memory)."""
+    found = model_fingerprint(model)
+    config = model.config.to_dict()
+    for key in ("_name_or_path", "name_or_path", "torch_dtype", "dtype"):
+        config.pop(key, None)
+    found["arch_sha256"] = content_digest(json.loads(json.dumps(config, default=str)))
+    found["digest"] = None
+    if found["name"]:
+        from actwave.capture.models import model_digest
+        try:
+            found["digest"] = model_digest(found["name"])
+        except (OSError, ValueError):  # no files behind the name
+            pass
+    return found
+
+
+def identity_mismatch(recorded: dict, found: dict) -> list[str]:
+    """How two ``model_identity`` records disagree ([] when they name the same model).
+
+    Same dtype: class, config, shapes and weights must agree. Another dtype: weights cannot
+    be compared, so both must carry file digests, which must agree (with class and
+    architecture). Any two file digests must agree.
+    """
+    def differ(keys):
+        return [f"{key}: {recorded.get(key)!r} != {found.get(key)!r}" for key in keys
+                if recorded.get(key) != found.get(key)]
+
+    problems = differ(["class"])
+    digests = (recorded.get("digest"), found.get("digest"))
+    if all(digests):
+        problems += differ(["digest"])
+    if recorded.get("dtype") == found.get("dtype"):
+        problems += differ(["config_sha256", "shapes_sha256", "weights_sha256"])
+    else:
+        problems += differ(["arch_sha256"])
+        if not all(digests):
+            problems.append(f"dtype: {recorded.get('dtype')!r} != {found.get('dtype')!r} and no "
+                            "file digest on both sides to compare the weights by")
+    return problems
+
+
+def describe_model(identity: dict | None) -> str:
+    """A short name for a model identity in messages: name, weights, digest."""
+    if not identity:
+        return "an unrecorded model"
+    name = identity.get("name") or f"an unnamed {identity.get('class', 'model')}"
+    return (f"{name!s} (weights {identity.get('weights_sha256')}, {identity.get('dtype')}, "
+            f"files {identity.get('digest') or 'none'})")

@@ -21,12 +21,17 @@ Store folder ``cache_dir()/capture/<model>-<split>-<hash>/``:
 Shards are written to a temp file and renamed, and the manifest is rewritten after each
 shard, so an interrupted pass resumes at the first missing shard.
 
-Integrity (``actwave.integrity``): the manifest records each shard's size and sha256 and
-the fingerprint of the model that made it (name, config, shapes, weights, dtype).
+Provenance and integrity (``actwave.integrity``): the folder's hash is keyed by the config
+and ``models.model_digest(config.model)`` (the content digest of the model's files, always
+computed), so new weights at the same path get a new store. The manifest is a checksummed
+record (``write_record``/``read_record``) holding that digest, each shard's size and sha256
+and the identity of the model object that made it (name, config, shapes, weights, dtype).
+A store is complete only when its shard records cover all ``n_sequences`` sequences.
 ``run_capture`` refuses a model that does not match the config or the store, writes under
 a lock on the folder (one writer at a time), and on a finished store re-verifies every
 shard and recaptures only those that fail (the repair). Readers check sizes on open and
-each shard's sha256 on its first read in a process.
+each shard's sha256 on its first read in a process. ``CaptureStore.digest`` (the digest of
+the manifest's shard records and model) keys everything built on a store.
 """
 from __future__ import annotations
 
@@ -43,13 +48,13 @@ from tqdm import tqdm
 
 from actwave.capture import data as data_mod
 from actwave.capture.forward import entropy_and_argmax, validate_layers, valid_states
-from actwave.capture.models import DTYPES, load, num_layers, slug
+from actwave.capture.models import DTYPES, load, model_digest, num_layers, slug
 from actwave.capture.regenerate import RegenConfig, regenerate
-from actwave.config import (artifact_dir, atomic_write_bytes, atomic_write_json, config_hash,
-                            package_versions, to_jsonable)
+from actwave.config import (artifact_dir, atomic_write_bytes, config_hash, package_versions,
+                            to_jsonable)
 from actwave.integrity import (Between, IntegrityError, WriterLock, bytes_record, check_fields,
-                               check_size, fingerprint_mismatch, int_ids, model_dtype,
-                               model_fingerprint, read_json, verify_file, verify_once)
+                               check_size, content_digest, fingerprint_mismatch, int_ids,
+                               model_dtype, model_identity, read_record, verify_file, verify_once, write_record)
 
 log = logging.getLogger(__name__)
 SOURCES = ("sharegpt", "regenerated")
@@ -89,8 +94,15 @@ def analysis_captures(model_names, **capture: object) -> dict[str, CaptureConfig
     return {name: CaptureConfig(model=name, split="analysis", **capture) for name in model_names}
 
 
+def store_key(config: CaptureConfig) -> dict:
+    """What names a store: its config and the content digest of the model's files (computed
+    on every call, memoised by the files' sizes and times), so a model folder whose weights
+    changed never reuses the old store."""
+    return {"config": config, "model": model_digest(config.model)}
+
+
 def store_dir(config: CaptureConfig) -> Path:
-    return artifact_dir("capture", config, name=f"{slug(config.model)}-{config.split}")
+    return artifact_dir("capture", store_key(config), name=f"{slug(config.model)}-{config.split}")
 
 
 def conversations_for(config: CaptureConfig, model=None, tokenizer=None):
@@ -181,7 +193,8 @@ def _write_shard(path: Path, columns: dict[str, torch.Tensor]) -> dict:
 
 def _new_manifest(config: CaptureConfig, model, dataset_hash: str, n_sequences: int,
                   tokenizer, fingerprint: dict) -> dict:
-    return {"config": to_jsonable(config), "config_hash": config_hash(config),
+    return {"format": MANIFEST_FORMAT, "config": to_jsonable(config),
+            "config_hash": config_hash(config), "model_digest": model_digest(config.model),
             "dataset_hash": dataset_hash, "n_sequences": n_sequences,
             "num_layers": num_layers(model), "hidden_size": int(model.config.get_text_config().hidden_size),
             "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
@@ -196,6 +209,50 @@ def _check_manifest(manifest: dict, config: CaptureConfig, dataset_hash: str, pa
             f"stale capture cache at {path}: its manifest records config {manifest.get('config_hash')}"
             f" / data {manifest.get('dataset_hash')}, expected {config_hash(config)} / {dataset_hash};"
             " delete that folder to recapture")
+    _check_model_digest(manifest, config, path)
+
+
+def _check_model_digest(manifest: dict, config: CaptureConfig, path: Path) -> None:
+    """Refuse a manifest made from other model files than ``config.model``'s now."""
+    expected = model_digest(config.model)
+    if manifest.get("model_digest") != expected:
+        raise ValueError(f"stale capture cache at {path}: made from the files of model "
+                         f"{config.model!r} with digest {manifest.get('model_digest')}, which "
+                         f"now have digest {expected}; delete that folder to recapture")
+
+
+MANIFEST_FORMAT = "actwave-capture-v2"
+MANIFEST_NAME = "manifest.json"
+
+
+def write_manifest(path: Path, manifest: dict) -> None:
+    """Write a store's manifest (checksummed record) into folder ``path``."""
+    write_record(Path(path) / MANIFEST_NAME, manifest)
+
+
+def completeness_problem(manifest: dict) -> str | None:
+    """Why a manifest marked complete is not (None when it is): every shard record must have
+    a sha256, and the records must cover sequences 0..n_sequences-1 once, in order, with
+    ``n_tokens`` their sum."""
+    shards = manifest.get("shards", [])
+    unhashed = [s.get("file") for s in shards if "sha256" not in s]
+    if unhashed:
+        return f"shard records without a sha256: {unhashed}"
+    expected = manifest.get("n_sequences")
+    if not isinstance(expected, int) or expected < 1:
+        return f"n_sequences is {expected!r}, not a count"
+    covered = 0
+    for shard in shards:
+        if shard.get("first_sequence") != covered or not isinstance(shard.get("n_sequences"), int):
+            return (f"shard {shard.get('file')} starts at sequence {shard.get('first_sequence')}, "
+                    f"expected {covered}: {covered} of {expected} sequences precede it")
+        covered += shard["n_sequences"]
+    if covered != expected:
+        return f"its shard records hold {covered} of {expected} sequences"
+    tokens = sum(s.get("n_tokens", 0) for s in shards)
+    if tokens != manifest.get("n_tokens"):
+        return f"its shard records hold {tokens} tokens, the manifest says {manifest.get('n_tokens')}"
+    return None
 
 
 def repair_hint(manifest: dict, path: Path) -> str:
@@ -222,7 +279,7 @@ def check_model(config: CaptureConfig, model, manifest: dict | None, path: Path)
     if model_dtype(model) != DTYPES[config.dtype]:
         raise ValueError(f"model is in {model_dtype(model)} but config.dtype={config.dtype!r}: "
                          f"load it with dtype=DTYPES[{config.dtype!r}] or set the config's dtype")
-    found = model_fingerprint(model)
+    found = model_identity(model)
     if manifest is None:
         return found
     recorded = manifest.get("model") or {  # stores from before fingerprints: the shapes only
@@ -243,7 +300,7 @@ def _read_manifest(path: Path) -> dict | None:
     """The folder's manifest; None if there is none or it is unreadable (then every shard is
     recaptured: without the manifest's checksums no shard can be trusted)."""
     try:
-        return read_json(path / "manifest.json", "recapture")
+        return read_record(path / MANIFEST_NAME, "recapture")
     except IntegrityError as err:
         if (path / "manifest.json").exists():
             log.warning("capture manifest unreadable, recapturing %s: %s", path, err)
@@ -252,19 +309,24 @@ def _read_manifest(path: Path) -> dict | None:
 
 def _drop_failed_shards(manifest: dict, path: Path) -> None:
     """Verify every recorded shard (size + sha256); drop those that fail so they are
-    recaptured, and record checksums that a store from before checksums lacks."""
+    recaptured (a record without a sha256 vouches for nothing: it is recaptured too)."""
     kept = []
     for shard in manifest["shards"]:
         try:
+            if "sha256" not in shard:
+                raise IntegrityError(path / shard["file"], "manifest record", "a sha256",
+                                     "none", "recapture")
             verify_file(path / shard["file"], shard, repair_hint(manifest, path))
         except IntegrityError as err:
             log.warning("recapturing %s", err)
             manifest["complete"] = False
             continue
-        if "sha256" not in shard:
-            shard.update(bytes_record((path / shard["file"]).read_bytes()))
         kept.append(shard)
     manifest["shards"] = kept
+    if manifest.get("complete") and completeness_problem(manifest):
+        log.warning("capture at %s is incomplete (%s): capturing the rest", path,
+                    completeness_problem(manifest))
+        manifest["complete"] = False
 
 
 def shard_name(shard_no: int) -> str:
@@ -301,7 +363,7 @@ def record_shards(manifest: dict, records: list[dict], seconds: float, out: Path
     manifest["shards"].sort(key=lambda s: s["file"])
     manifest["n_tokens"] = sum(s["n_tokens"] for s in manifest["shards"])
     manifest["seconds"] += seconds
-    atomic_write_json(out / "manifest.json", manifest)
+    write_manifest(out, manifest)
 
 
 def _capture_shards(config: CaptureConfig, model, tokenizer, sequences: list[dict],
@@ -320,17 +382,20 @@ def verified_manifest(config: CaptureConfig, model, out: Path) -> dict | None:
     a passed ``model`` against it; None if there is none (call under the folder's lock)."""
     manifest = _read_manifest(out)
     if manifest is not None:
+        _check_model_digest(manifest, config, out)
         _drop_failed_shards(manifest, out)
         if model is not None:
             check_model(config, model, manifest, out)
-        if manifest["complete"]:
-            atomic_write_json(out / "manifest.json", manifest)  # records legacy checksums
     return manifest
 
 
 def mark_complete(manifest: dict, out: Path) -> None:
+    problem = completeness_problem(manifest)
+    if problem:
+        raise IntegrityError(out / MANIFEST_NAME, "shards", "all sequences captured", problem,
+                             "run run_capture again: it captures the missing shards")
     manifest["complete"] = True
-    atomic_write_json(out / "manifest.json", manifest)
+    write_manifest(out, manifest)
 
 
 def prepare_capture(config: CaptureConfig, model, tokenizer, manifest: dict | None, out: Path,
@@ -376,14 +441,18 @@ class CaptureStore:
 
     def __init__(self, path: Path | str, require_complete: bool = True):
         self.path = Path(path)
-        manifest_path = self.path / "manifest.json"
+        manifest_path = self.path / MANIFEST_NAME
         if not manifest_path.exists():
             raise FileNotFoundError(f"no capture at {self.path} (manifest.json missing); "
                                     "run notebook 01 / actwave.capture.store.run_capture first")
-        self.manifest = read_json(manifest_path, "actwave.capture.store.run_capture with the "
-                                  f"config that made {self.path} recaptures it (notebook 01)")
+        self.manifest = read_record(manifest_path, "actwave.capture.store.run_capture with the "
+                                    f"config that made {self.path} recaptures it (notebook 01)")
         if require_complete and not self.complete:
             raise ValueError(f"capture at {self.path} is incomplete; run run_capture again to resume")
+        problem = completeness_problem(self.manifest) if require_complete else None
+        if problem:
+            raise ValueError(f"capture at {self.path} is incomplete: {problem}; run run_capture "
+                             "again to capture the rest")
         self.repair = repair_hint(self.manifest, self.path)
         for shard in self.manifest["shards"]:  # sizes now (a stat each), sha256 on first read
             check_size(self.path / shard["file"], shard, self.repair)
@@ -407,6 +476,16 @@ class CaptureStore:
     @property
     def config_hash(self) -> str:
         return self.manifest["config_hash"]
+
+    @property
+    def digest(self) -> str:
+        """Content digest (16 hex) of the store: its shard records (file, size, sha256,
+        sequences, tokens), the model it was made with (file digest and identity), its data
+        hash and config hash. Keys every artifact built on it (layer statistics, drafts,
+        study records): a recaptured store with other contents gets new keys."""
+        return content_digest({key: self.manifest.get(key) for key in (
+            "shards", "model", "model_digest", "dataset_hash", "config_hash", "n_sequences",
+            "n_tokens", "storage_dtype")})
 
     def _open(self, shard: dict):
         path = self.path / shard["file"]

@@ -11,8 +11,18 @@ answer, so every method sees the same prompt), HumanEval (the code prompt as the
 message) and held-out ShareGPT (first user turn of the ``eval`` split). Prompts longer
 than ``max_prompt_tokens`` are skipped and counted.
 
-Statistics and tables: ``actwave.decoding.report``. Raw per-prompt records go to a JSON file
-keyed by the config hash; reruns resume.
+Statistics and tables: ``actwave.decoding.report``.
+
+Raw records (with ``out_dir``) go to the run folder ``<out_dir>/<run_name>-<key>/``, the
+key hashing the config, the methods, the drafts' layer ids and weight digests and the
+target's identity (weights, dtype, file digest): ``prompt-XXXXX.jsonl`` (one record per
+line, per prompt, numbered by the prompt's place in the run) and ``manifest.json`` (a
+checksummed record: the key, the expected prompts, per finished prompt its file, record
+count, size and sha256; ``complete`` once every prompt is in). One writer per folder
+(``WriterLock``); a rerun resumes at the missing prompts. On read, every file is checked
+against its record: a flipped byte, a dropped or added line, a file from another run, an
+edited value or a prompt the run does not have is refused with an ``IntegrityError``
+naming the file and the repair (delete that prompt's file: only that prompt reruns).
 """
 from __future__ import annotations
 
@@ -30,14 +40,15 @@ from transformers import GenerationConfig
 
 from actwave.capture import data
 from actwave.capture.models import DTYPES
-from actwave.config import (atomic_write_json, cache_dir, config_hash, package_versions,
-                            to_jsonable)
+from actwave.config import atomic_write_bytes, cache_dir, config_hash, package_versions
 from actwave.decoding.report import GREEDY, acceptance_by_position, summarize
 from actwave.decoding.speculative import generate, greedy_generate
 from actwave.decoding.timing import synchronize
 from actwave.decoding.tree import MODES, TreeShape
 from actwave.eagle3 import Eagle3Draft
-from actwave.integrity import Between, check_fields
+from actwave.integrity import (Between, IntegrityError, WriterLock, bytes_record, check_fields,
+                               model_identity, read_record, require_int, require_real, verify_once,
+                               write_record)
 
 log = logging.getLogger(__name__)
 BENCHMARKS = ("mtbench", "humaneval", "sharegpt")
@@ -202,35 +213,53 @@ def evaluate(target, tokenizer, drafts: dict, config: EvalConfig, eos_token_ids:
              out_dir: Path | str | None = None, run_name: str = "speculative") -> dict[str, pd.DataFrame]:
     """Run every method on every benchmark prompt -> {"records", "summary", "acceptance"}.
 
-    drafts: {label: Eagle3Draft}. With ``out_dir``, raw records are saved after every
-    prompt to ``<out_dir>/<run_name>-<hash>.json`` (hash of the config, draft labels,
-    layer ids and weight fingerprints) and prompts already there are skipped on a rerun.
+    drafts: {label: Eagle3Draft}, each checked against ``target`` (config, and the target
+    identity it records). With ``out_dir``, raw records are saved after every prompt into
+    the run folder ``<out_dir>/<run_name>-<key>/`` (module docstring) and prompts already
+    there are verified and skipped on a rerun.
     """
     for label, draft in drafts.items():
         draft.check_target(target)
+        draft.check_target_identity(target, f"{label!r}")
     methods = build_methods(target, drafts, config, list(eos_token_ids))
+    target_identity = {k: v for k, v in model_identity(target).items() if k != "name"}
     identity = {"config": config, "methods": list(methods),
                 "layer_ids": {label: list(d.layer_ids) for label, d in drafts.items()},
-                "weights": {label: d.fingerprint() for label, d in drafts.items()}}
-    path = Path(out_dir) / f"{run_name}-{config_hash(identity)}.json" if out_dir else None
-    records = _load_records(path)
-    done = {(r["benchmark"], r["prompt_id"]) for r in records}
-    device = next(target.parameters()).device
+                "weights": {label: d.fingerprint() for label, d in drafts.items()},
+                "target": target_identity}
     items = [item for benchmark in config.benchmarks
              for item in benchmark_prompts(benchmark, config.n_prompts)]
-    todo = [item for item in items if (item["benchmark"], item["prompt_id"]) not in done]
+    if out_dir is None:
+        records = _run_items(items, tokenizer, methods, config, target, None)
+    else:
+        folder = run_folder(out_dir, run_name, identity)
+        with WriterLock(folder):
+            run = EvalRun(folder, config_hash(identity), items, list(methods))
+            run.open(identity)
+            records = _run_items(items, tokenizer, methods, config, target, run)
+    frame = pd.DataFrame([r for r in records if r["method"] is not None])
+    return {"records": frame, "summary": summarize(frame, config.n_bootstrap, config.seed),
+            "acceptance": acceptance_by_position(frame)}
+
+
+def _run_items(items: list[dict], tokenizer, methods: dict[str, Method], config: EvalConfig,
+               target, run: "EvalRun | None") -> list[dict]:
+    """Records of every item, those a run already holds read back; -> in item order."""
+    done = run.records() if run is not None else {}
+    device = next(target.parameters()).device
+    todo = [i for i, item in enumerate(items) if i not in done]
     log.info("%d prompts (%d already recorded), methods %s", len(items), len(items) - len(todo),
              list(methods))
     if todo:
         _warm_up(methods, tokenizer, device)
-    for item in tqdm(todo, desc="prompts", ascii=True):
-        records += run_item(item, tokenizer, methods, config, device) or [_skipped(item)]
-        if path is not None:
-            atomic_write_json(path, {**to_jsonable(identity), "versions": package_versions(),
-                                     "records": records})
-    frame = pd.DataFrame([r for r in records if r["method"] is not None])
-    return {"records": frame, "summary": summarize(frame, config.n_bootstrap, config.seed),
-            "acceptance": acceptance_by_position(frame)}
+    for index in tqdm(todo, desc="prompts", ascii=True):
+        item = items[index]
+        done[index] = run_item(item, tokenizer, methods, config, device) or [_skipped(item)]
+        if run is not None:
+            run.add(index, done[index])
+    if run is not None:
+        run.finish()
+    return [record for index in range(len(items)) for record in done[index]]
 
 
 def _skipped(item: dict) -> dict:
@@ -238,7 +267,165 @@ def _skipped(item: dict) -> dict:
     return {"benchmark": item["benchmark"], "prompt_id": item["prompt_id"], "method": None}
 
 
-def _load_records(path: Path | None) -> list[dict]:
-    if path is None or not path.exists():
-        return []
-    return json.loads(path.read_text())["records"]
+# ----------------------------------------------------------------------------- records
+RUN_FORMAT = "actwave-eval-run-v2"
+MANIFEST = "manifest.json"
+
+
+def run_folder(out_dir: Path | str, run_name: str, identity: dict) -> Path:
+    """``<out_dir>/<run_name>-<key>``, the key hashing ``identity`` (see ``evaluate``)."""
+    if not run_name or "/" in run_name or run_name.startswith("."):
+        raise ValueError(f"run_name must be a plain file-name stem, got {run_name!r}")
+    return Path(out_dir) / f"{run_name}-{config_hash(identity)}"
+
+
+def prompt_file(index: int) -> str:
+    return f"prompt-{index:05d}.jsonl"
+
+
+class EvalRun:
+    """The records of one evaluation run on disk (module docstring): verified reads,
+    atomic per-prompt writes, a checksummed manifest. Use under the folder's WriterLock."""
+
+    def __init__(self, folder: Path, key: str, items: list[dict], methods: list[str]):
+        self.folder, self.key, self.methods = Path(folder), key, list(methods)
+        self.expected = [[item["benchmark"], str(item["prompt_id"])] for item in items]
+        self.manifest: dict = {}
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.folder / MANIFEST
+
+    def _repair(self) -> str:
+        return (f"delete {self.folder}: evaluate reruns every prompt (or restore the folder "
+                "from where it was copied)")
+
+    def _prompt_repair(self, path: Path) -> str:
+        return f"delete {path}: the next evaluate call with the same arguments reruns only that prompt"
+
+    def open(self, identity: dict) -> None:
+        """Read and check the manifest (or start one); entries whose file is gone are
+        dropped so that their prompts rerun (the repair of a bad prompt file)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if not self.manifest_path.exists():
+            self.manifest = {"format": RUN_FORMAT, "key": self.key, "identity": identity,
+                             "versions": package_versions(), "expected": self.expected,
+                             "prompts": [], "complete": False}
+            return
+        manifest = read_record(self.manifest_path, self._repair())
+        for field, want in (("format", RUN_FORMAT), ("key", self.key),
+                            ("expected", self.expected)):
+            if manifest.get(field) != want:
+                raise IntegrityError(self.manifest_path, field, want, manifest.get(field),
+                                     self._repair())
+        kept = []
+        for entry in manifest.get("prompts", []):
+            if (self.folder / str(entry.get("file"))).is_file():
+                kept.append(entry)
+            else:
+                log.warning("%s: prompt file %s is missing; rerunning that prompt",
+                            self.folder, entry.get("file"))
+                manifest["complete"] = False
+        manifest["prompts"] = kept
+        self.manifest = manifest
+
+    def records(self) -> dict[int, list[dict]]:
+        """{prompt index: its verified records} for every prompt the manifest holds."""
+        out: dict[int, list[dict]] = {}
+        for entry in self.manifest["prompts"]:
+            index = self._entry_index(entry)
+            if index in out:
+                raise IntegrityError(self.manifest_path, "prompts", "each once",
+                                     f"{entry['file']} twice", self._repair())
+            out[index] = self._read_prompt(index, entry)
+        if self.manifest.get("complete") and len(out) != len(self.expected):
+            raise IntegrityError(self.manifest_path, "prompts", len(self.expected), len(out),
+                                 self._repair())
+        return out
+
+    def _entry_index(self, entry: dict) -> int:
+        pair = [entry.get("benchmark"), entry.get("prompt_id")]
+        if pair not in self.expected:
+            raise IntegrityError(self.manifest_path, "prompt", f"one of the run's "
+                                 f"{len(self.expected)} prompts", pair, self._repair())
+        index = self.expected.index(pair)
+        if entry.get("file") != prompt_file(index):
+            raise IntegrityError(self.manifest_path, f"file of prompt {pair}",
+                                 prompt_file(index), entry.get("file"), self._repair())
+        return index
+
+    def _read_prompt(self, index: int, entry: dict) -> list[dict]:
+        path = self.folder / entry["file"]
+        repair = self._prompt_repair(path)
+        if "sha256" not in entry:
+            raise IntegrityError(path, "manifest record", "a sha256", "none", repair)
+        verify_once(path, entry, repair)
+        try:
+            records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise IntegrityError(path, "content", "JSON lines", str(err), repair) from err
+        if len(records) != entry.get("n_records"):
+            raise IntegrityError(path, "records", entry.get("n_records"), len(records), repair)
+        try:
+            self._check_records(index, records)
+        except (KeyError, TypeError, ValueError) as err:
+            raise IntegrityError(path, "records", "one per turn and method of this prompt",
+                                 str(err), repair) from err
+        return records
+
+    def _check_records(self, index: int, records: list[dict]) -> None:
+        """One record per (turn 1..T, method), all for this prompt, with sane values (or a
+        single skip marker)."""
+        benchmark, prompt_id = self.expected[index]
+        for record in records:
+            if [record["benchmark"], str(record["prompt_id"])] != [benchmark, prompt_id]:
+                raise ValueError(f"a record of prompt {record['benchmark']}/{record['prompt_id']}")
+        if len(records) == 1 and records[0]["method"] is None:
+            return
+        turns = max(require_int("turn", r["turn"], 1) for r in records)
+        pairs = sorted((r["turn"], r["method"]) for r in records)
+        expected = sorted((turn, method) for turn in range(1, turns + 1) for method in self.methods)
+        if pairs != expected:
+            raise ValueError(f"(turn, method) pairs {pairs}, expected {expected}")
+        for record in records:
+            require_real("seconds", record["seconds"], 0.0, low_open=True)
+            if require_int("n_tokens", record["n_tokens"], 0) != len(record["tokens"]):
+                raise ValueError(f"n_tokens {record['n_tokens']} != {len(record['tokens'])} tokens")
+
+    def add(self, index: int, records: list[dict]) -> None:
+        """Write one prompt's records, then the manifest naming them."""
+        name = prompt_file(index)
+        lines = [json.dumps(r, sort_keys=True, ensure_ascii=False) for r in records]
+        data = ("\n".join(lines) + "\n").encode()
+        atomic_write_bytes(self.folder / name, data)
+        benchmark, prompt_id = self.expected[index]
+        self.manifest["prompts"] = [e for e in self.manifest["prompts"] if e["file"] != name]
+        self.manifest["prompts"].append({"benchmark": benchmark, "prompt_id": prompt_id,
+                                         "file": name, "n_records": len(records),
+                                         **bytes_record(data)})
+        self.manifest["prompts"].sort(key=lambda e: e["file"])
+        self.manifest = write_record(self.manifest_path, self.manifest)
+        self.manifest.pop("record_sha256", None)
+
+    def finish(self) -> None:
+        """Mark the run complete once every expected prompt is recorded."""
+        complete = len(self.manifest["prompts"]) == len(self.expected)
+        if complete != self.manifest.get("complete") or not self.manifest_path.exists():
+            self.manifest["complete"] = complete
+            self.manifest = write_record(self.manifest_path, self.manifest)
+            self.manifest.pop("record_sha256", None)
+
+
+def load_run(folder: Path | str) -> pd.DataFrame:
+    """The verified records of a finished run folder (as ``evaluate`` wrote them)."""
+    folder = Path(folder)
+    manifest = read_record(folder / MANIFEST, f"delete {folder} and rerun evaluate")
+    items = [{"benchmark": b, "prompt_id": p} for b, p in manifest["expected"]]
+    run = EvalRun(folder, manifest["key"], items, manifest["identity"]["methods"])
+    run.open(manifest["identity"])
+    if not run.manifest.get("complete"):
+        raise IntegrityError(folder / MANIFEST, "complete", True, False,
+                             "rerun evaluate with the same arguments: it runs the missing prompts")
+    done = run.records()
+    records = [r for index in range(len(items)) for r in done[index]]
+    return pd.DataFrame([r for r in records if r["method"] is not None])

@@ -103,9 +103,9 @@ def compare(target, tokenizer, drafts: dict, config: EvalConfig, eos_token_ids, 
     """Decode ``config``'s prompts with the fixed shape of ``config`` (peers as configured)
     and with the auto shape (no peers), both under ``routes``.
 
-    drafts: {label: Eagle3Draft of ``target``}. Records resume per pass under
-    ``out_dir/<run_name>-<pass>-<hash>.json``. The held-out prompts of the auto shape skip
-    the ShareGPT prompts ``config`` decodes, so the shape is not fitted on its own test text.
+    drafts: {label: Eagle3Draft of ``target``}. Records resume per pass in ``evaluate``'s
+    run folders ``out_dir/<run_name>-<pass>-<key>/``. The held-out prompts of the auto shape
+    skip the ShareGPT prompts ``config`` decodes, so the shape is not fitted on its own text.
     """
     if not drafts:
         raise ValueError("compare needs at least one draft")

@@ -45,11 +45,13 @@ import torch
 from safetensors.torch import load_file, save
 from torch import nn
 
-from actwave.config import atomic_write_bytes, save_config
+from actwave.config import atomic_write_bytes
 from actwave.eagle3.config import Eagle3Config, check_target_config, config_from_target
 from actwave.eagle3.layers import Eagle3DecoderLayer, RMSNorm, RotaryEmbedding
 from actwave.eagle3.vocab import build_draft_vocab, draft_target_ids
-from actwave.integrity import bytes_record, read_json, require_finite_tensors, verify_file
+from actwave.integrity import (IntegrityError, bytes_record, describe_model, identity_mismatch,
+                               model_identity, read_record, require_finite_tensors,
+                               save_config_record, verify_file)
 
 CHECKPOINT_FORMAT = "actwave-eagle3-v1"
 WEIGHTS_NAME = "model.safetensors"
@@ -77,6 +79,9 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"embed_tokens has shape {tuple(embed_tokens.weight.shape)}, the "
                              f"config needs ({config.target_vocab_size}, {config.hidden_size})")
         self.config = config
+        # model_identity of the target the draft is for (set by from_target / from_state /
+        # load; saved with the draft and checked against the target on load)
+        self.target_identity: dict | None = None
         self.embed_tokens = embed_tokens.requires_grad_(False)
         self.fc = nn.Linear(len(config.layer_ids) * config.target_hidden_size,
                             config.hidden_size, bias=False)
@@ -114,6 +119,7 @@ class Eagle3Draft(nn.Module):
                                      target_vocab_size, overrides)
         embed_copy = copy.deepcopy(embedding)
         draft = cls(config, embed_copy).to(embedding.weight.dtype)
+        draft.target_identity = model_identity(target)
         counts = token_counts if token_counts is not None else torch.zeros(target_vocab_size)
         if counts.shape != (target_vocab_size,):
             raise ValueError(f"token_counts must have shape ({target_vocab_size},), "
@@ -202,31 +208,47 @@ class Eagle3Draft(nn.Module):
         return digest.hexdigest()[:16]
 
     def save_pretrained(self, directory) -> Path:
-        """``config.json`` (Eagle3Config + provenance + the weights' size and sha256) and
-        ``model.safetensors``; non-finite weights are refused (FloatingPointError)."""
+        """``config.json`` (Eagle3Config, the target's identity, the weights' size and sha256,
+        its own checksum) and ``model.safetensors``; non-finite weights are refused
+        (FloatingPointError), and so is a draft that does not know its target (build it with
+        ``from_target``)."""
         directory = Path(directory)
+        if not self.target_identity:
+            raise ValueError(f"draft for {directory} records no target (built without "
+                             "from_target / from_state / load); set draft.target_identity = "
+                             "actwave.integrity.model_identity(target) before saving")
         tensors = self.trainable_state_dict()
         require_finite_tensors(f"draft for {directory}", tensors)
         weights = save_tensors(directory / WEIGHTS_NAME, tensors)
-        save_config(directory, self.config.to_dict(), format=CHECKPOINT_FORMAT, weights=weights)
+        save_config_record(directory, self.config.to_dict(), format=CHECKPOINT_FORMAT,
+                           weights=weights, target=self.target_identity)
         return directory
 
     @classmethod
     def load(cls, directory, target: nn.Module) -> "Eagle3Draft":
         """Load a ``save_pretrained`` draft, re-attaching (a copy of) the target embedding.
 
-        Refuses (IntegrityError) weights that fail the recorded size or sha256.
+        Refuses (IntegrityError) a ``config.json`` that fails its self-checksum and weights
+        that fail the recorded size or sha256; refuses (ValueError) a target other than the
+        one the draft was trained for (``integrity.identity_mismatch``), naming both.
         """
         directory = Path(directory)
         repair = (f"call actwave.eagle3.train.train_draft with the arguments that made "
                   f"{directory}: it rebuilds the draft from its last checkpoint (notebook 06)")
-        record = read_json(directory / "config.json", repair)
+        record = read_record(directory / "config.json", repair)
         if record.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{directory} is not an actwave EAGLE-3 draft "
                              f"(format {record.get('format')!r}, expected {CHECKPOINT_FORMAT!r})")
         config = Eagle3Config.from_dict(record["config"])
-        verify_file(directory / WEIGHTS_NAME, record.get("weights", {}), repair)
-        return cls.from_state(config, load_file(directory / WEIGHTS_NAME), target)
+        check_target_config(config, target)
+        check_draft_target(directory, record.get("target"), target)
+        if "sha256" not in record.get("weights", {}):
+            raise IntegrityError(directory / "config.json", "weights record", "a sha256",
+                                 "none", repair)
+        verify_file(directory / WEIGHTS_NAME, record["weights"], repair)
+        draft = cls.from_state(config, load_file(directory / WEIGHTS_NAME), target)
+        draft.target_identity = record["target"]
+        return draft
 
     @classmethod
     def from_state(cls, config: Eagle3Config, tensors: dict[str, torch.Tensor],
@@ -241,11 +263,32 @@ class Eagle3Draft(nn.Module):
                              f"{sorted(set(tensors) - expected)}")
         draft.load_state_dict(tensors, strict=False)
         draft.set_vocab(draft.d2t.clone(), draft.t2d.clone())
+        draft.target_identity = model_identity(target)
         return draft.to(tensors["fc.weight"].dtype)
 
     def check_target(self, target: nn.Module, check_name: bool = True) -> None:
         """Raise ValueError naming every way ``target`` differs from the one the draft is for."""
         check_target_config(self.config, target, check_name)
+
+    def check_target_identity(self, target: nn.Module, where: str = "this draft") -> None:
+        """Refuse a ``target`` whose identity (weights or files) is not the one the draft
+        was made for (nothing to check for a draft that records none)."""
+        if self.target_identity is not None:
+            check_draft_target(where, self.target_identity, target)
+
+
+def check_draft_target(draft: Path | str, recorded: dict | None, target: nn.Module) -> None:
+    """Refuse ``target`` for a draft whose saved record names another target (ValueError
+    naming both), or a record that names none."""
+    if not recorded:
+        raise ValueError(f"draft {draft} records no target model (saved before drafts recorded "
+                         "their target); retrain it")
+    found = model_identity(target)
+    problems = identity_mismatch(recorded, found)
+    if problems:
+        raise ValueError(f"draft {draft} was trained for target {describe_model(recorded)}, not "
+                         f"for the target passed, {describe_model(found)} ({'; '.join(problems)});"
+                         " pass the target it was trained for, or train a draft for this one")
 
 
 def save_tensors(path, tensors: dict[str, torch.Tensor]) -> dict:

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from actwave.capture.forward import forward_with_states
-from actwave.capture.models import DTYPES, load
+from actwave.capture.models import DTYPES, load, model_digest
 from actwave.capture.store import SOURCES, CaptureConfig, CaptureStore, check_model, tokenize_split
 from actwave.config import config_hash, to_jsonable
 from actwave.eagle3.train import (Segment, TrainConfig, TrainResult, _one_writer, _pad,
-                                  add_config_arguments, config_from_args, evaluate_data, fit,
-                                  trained_positions)
+                                  add_config_arguments, check_store_target, config_from_args,
+                                  evaluate_data, fit, trained_positions)
+from actwave.integrity import describe_model, identity_mismatch, model_identity
 from actwave.eagle3.vocab import draft_target_ids
 
 
@@ -32,15 +33,18 @@ class OnlineSource:
     """Tokenised training sequences and the identity recorded for them.
 
     input_ids / loss_mask: per sequence (T,) int64 / bool (token in an assistant reply).
-    ``config_hash`` takes the store hash's place in checkpoints and config.json, so a
-    draft trained online is never resumed or reused as one trained from a store;
-    ``path`` says where the sequences came from.
+    ``config_hash`` (the digest of the capture config, the text and the target) takes the
+    store digest's place in checkpoints and config.json, so a draft trained online is never
+    resumed or reused as one trained from a store or on other text; ``path`` says where the
+    sequences came from; ``target`` is the ``model_identity`` of the target that made them
+    (``train_online`` refuses another target; None: not checked).
     """
 
     input_ids: list[torch.Tensor]
     loss_mask: list[torch.Tensor]
     config_hash: str
     path: str
+    target: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.input_ids or len(self.input_ids) != len(self.loss_mask):
@@ -51,11 +55,17 @@ class OnlineSource:
             raise ValueError(f"sequence {short[0]} has fewer than 2 tokens; TTT needs >= 2")
 
     @classmethod
-    def from_sequences(cls, sequences: list[dict], config_hash: str, path: str) -> OnlineSource:
+    def from_sequences(cls, sequences: list[dict], config_hash: str, path: str,
+                       target: dict | None = None) -> OnlineSource:
         """From ``{"input_ids": [...], "loss_mask": [...]}`` rows (``store.tokenize_split``)."""
         return cls([torch.tensor(s["input_ids"], dtype=torch.long) for s in sequences],
                    [torch.tensor(s["loss_mask"], dtype=torch.bool) for s in sequences],
-                   config_hash, path)
+                   config_hash, path, target)
+
+    @property
+    def digest(self) -> str:
+        """What identifies the training data (as ``CaptureStore.digest`` does a store's)."""
+        return self.config_hash
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -68,7 +78,7 @@ class OnlineSource:
         """Each sequence cut to its first ``max_seq_len`` tokens (as ``load_sequences``)."""
         return OnlineSource([ids[:max_seq_len] for ids in self.input_ids],
                             [mask[:max_seq_len] for mask in self.loss_mask],
-                            self.config_hash, self.path)
+                            self.config_hash, self.path, self.target)
 
 
 def online_source(capture, target, tokenizer) -> OnlineSource:
@@ -76,15 +86,30 @@ def online_source(capture, target, tokenizer) -> OnlineSource:
 
     Same tokenisation, skipped conversations and (with ``source='regenerated'``) replies;
     refuses a target that is not ``capture.model`` in ``capture.dtype``. Its hash covers
-    the config and the data, prefixed ``online-``.
+    the config, the data (the text, regenerated replies included), the content digest of
+    the model's files and the target's weights, prefixed ``online-``.
     """
-    check_model(capture, target, None, "online training")
+    found = check_model(capture, target, None, "online training")
     sequences, data_hash = tokenize_split(capture, tokenizer, target)
     if not sequences:
         raise ValueError(f"split {capture.split!r} gave no sequences of >= 2 tokens")
-    identity = config_hash({"capture": to_jsonable(capture), "data": data_hash})
+    identity = config_hash({"capture": to_jsonable(capture), "data": data_hash,
+                            "model": model_digest(capture.model),
+                            "target": found["weights_sha256"]})
     return OnlineSource.from_sequences(sequences, f"online-{identity}",
-                                       f"online:{capture.model}/{capture.split}")
+                                       f"online:{capture.model}/{capture.split}", found)
+
+
+def check_source_target(source: OnlineSource, target) -> None:
+    """Refuse a ``target`` other than the one that made ``source`` (when it records one)."""
+    if source.target is None:
+        return
+    found = model_identity(target)
+    problems = identity_mismatch(source.target, found)
+    if problems:
+        raise ValueError(f"online source {source.path} was made with target "
+                         f"{describe_model(source.target)}, but the target passed is "
+                         f"{describe_model(found)} ({'; '.join(problems)})")
 
 
 @torch.no_grad()
@@ -124,7 +149,11 @@ def train_online(source: OnlineSource, target, config: TrainConfig, out_dir,
                  segment: Segment | None = None) -> TrainResult:
     """``train_draft`` with the target in the loop: same out_dir layout, checkpoints,
     resume, held-out evaluation (``eval_store``, a capture store), ``segment`` and DDP
-    semantics."""
+    semantics. A target other than the one that made ``source`` or ``eval_store`` is
+    refused."""
+    check_source_target(source, target)
+    if eval_store is not None:
+        check_store_target(eval_store, target, "evaluation")
     target.eval()
     return fit(source, lambda: source.truncated(config.max_seq_len), online_batch, target,
                config, out_dir, progress, eval_store, eval_fn, segment)

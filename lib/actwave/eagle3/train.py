@@ -25,7 +25,6 @@ from __future__ import annotations
 import csv
 import functools
 import io
-import json
 import logging
 import math
 import os
@@ -42,12 +41,14 @@ from safetensors.torch import save as save_tensors
 from tqdm import tqdm
 
 from actwave.capture.forward import target_logits
-from actwave.config import atomic_write_bytes, atomic_write_json, config_hash, save_config
+from actwave.config import atomic_write_bytes, atomic_write_json, config_hash
 from actwave.eagle3.model import Eagle3Draft
 from actwave.eagle3.ttt import TTTLoss, TTTOutput
 from actwave.eagle3.vocab import draft_target_ids, token_frequencies
 from actwave.integrity import (Between, IntegrityError, WriterLock, bytes_record, check_fields,
-                               int_ids, read_json, require_finite_tensors, verify_file)
+                               describe_model, identity_mismatch, int_ids, model_identity,
+                               read_json, read_record, require_finite_tensors,
+                               save_config_record, verify_file)
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -414,24 +415,42 @@ def train_step(module, optimizer, scheduler, accelerator, batch: dict,
 
 
 def _finished(out_dir: Path, config: TrainConfig, store) -> bool:
-    """Whether out_dir holds this config's finished draft; refuses one from another store.
-    An unreadable record counts as unfinished: the run is rebuilt from its last checkpoint."""
+    """Whether out_dir holds this config's finished draft; refuses one from another store
+    (by content digest). An unreadable or unchecksummed record counts as unfinished: the run
+    is rebuilt from its last checkpoint."""
     record_path = out_dir / "config.json"
     if not record_path.exists():
         return False
     try:
-        record = read_json(record_path, "rebuilt from the last checkpoint by train_draft")
+        record = read_record(record_path, "rebuilt from the last checkpoint by train_draft")
     except IntegrityError as err:
         log.warning("%s", err)
         return False
     if not (record.get("complete") and record.get("config_hash") == config_hash(config)):
         return False
-    if record.get("store_config_hash") != store.config_hash:
+    if record.get("store_digest") != store.digest:
         raise ValueError(f"{out_dir} holds a draft trained on capture store "
-                         f"{record.get('store_config_hash')} ({record.get('store')}), not "
-                         f"{store.config_hash} ({store.path}); use another out_dir, or delete "
+                         f"{record.get('store_digest')} ({record.get('store')}), not "
+                         f"{store.digest} ({store.path}); use another out_dir, or delete "
                          f"{out_dir} to retrain")
     return True
+
+
+def check_store_target(store, target, role: str = "training") -> None:
+    """Refuse a ``target`` other than the model that made the capture ``store`` (its
+    manifest's model identity), naming both: the draft's soft labels and embedding come
+    from ``target``, its inputs from the store."""
+    recorded = store.manifest.get("model")
+    if not recorded:
+        raise ValueError(f"capture store {store.path} records no model; recapture it "
+                         "(actwave.capture.store.run_capture)")
+    found = model_identity(target)
+    problems = identity_mismatch(recorded, found)
+    if problems:
+        raise ValueError(f"{role} store {store.path} was captured with target "
+                         f"{describe_model(recorded)}, but the target passed is "
+                         f"{describe_model(found)} ({'; '.join(problems)}); pass the target "
+                         "that made the store, or capture one with this target")
 
 
 def _one_writer(train):
@@ -519,7 +538,7 @@ def _stop_step(segment: Segment, config: TrainConfig, start: int) -> int:
 
 
 def _load_finished(out_dir: Path, target) -> TrainResult:
-    record = json.loads((out_dir / "config.json").read_text())
+    record = read_record(out_dir / "config.json", "rebuilt from the last checkpoint by train_draft")
     return TrainResult(Eagle3Draft.load(out_dir / "draft", target),
                        _read_csv(out_dir / "history.csv"), out_dir, out_dir / "draft",
                        record["seconds"], record.get("metrics", {}))
@@ -536,13 +555,17 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
     ``draft/`` (the final ``save_pretrained``) and ``config.json`` (this config, store
     hash, seconds, final held-out metrics). ``eval_fn(draft) -> dict`` adds its numbers
     (e.g. offline acceptance, ``actwave.decoding.acceptance``) to each checkpoint's eval row.
-    One writer per out_dir (``WriterLock``); a finished out_dir trained on another store
-    is refused; a finished draft that fails its checksum is rebuilt from the last
-    checkpoint; a non-finite loss or gradient, or a non-finite held-out metric, stops the
-    run (FloatingPointError) with the last good checkpoint kept and nothing marked complete;
-    a checkpoint write that fails leaves no temp folder. ``segment``: another schedule, a stop step, a start
-    checkpoint (``Segment``).
+    One writer per out_dir (``WriterLock``); a ``target`` other than the model that made
+    ``store`` (or ``eval_store``) is refused (``check_store_target``); a finished out_dir
+    trained on another store (content digest) is refused; a finished draft that fails its
+    checksum is rebuilt from the last checkpoint; a non-finite loss or gradient, or a
+    non-finite held-out metric, stops the run (FloatingPointError) with the last good
+    checkpoint kept and nothing marked complete; a checkpoint write that fails leaves no
+    temp folder. ``segment``: another schedule, a stop step, a start checkpoint (``Segment``).
     """
+    check_store_target(store, target)
+    if eval_store is not None:
+        check_store_target(eval_store, target, "evaluation")
     return fit(store, lambda: load_sequences(store, config.layer_ids, config.max_seq_len),
                make_batch, target, config, out_dir, progress, eval_store, eval_fn, segment)
 
@@ -551,8 +574,8 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
         eval_store=None, eval_fn=None, segment: Segment | None = None) -> TrainResult:
     """The training loop of ``train_draft`` (store) and ``eagle3.online`` (target in the loop).
 
-    source: ``config_hash`` and ``path`` identify the training data in checkpoints and
-    config.json; ``load_data()`` -> the sequences (``input_ids``/``loss_mask`` lists, len);
+    source: ``digest`` (content digest of the store, or of the online text) and ``path``
+    identify the training data in checkpoints and config.json; ``load_data()`` -> the sequences (``input_ids``/``loss_mask`` lists, len);
     ``batch_fn(data, indices, target, draft, device)`` -> the ``TTTLoss`` inputs of those
     sequences (``make_batch``). Under DDP each process takes its ``batch_indices``.
     """
@@ -574,13 +597,13 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
     draft = new_draft(target, data, config).to(accelerator.device)
     optimizer, scheduler = _optimizer(draft, config, segment.lr_schedule)
     start, history, eval_history = 0, [], []
-    checkpoint = latest_checkpoint(out_dir, config, source.config_hash)
+    checkpoint = latest_checkpoint(out_dir, config, source.digest)
     if checkpoint is not None:
         meta = load_checkpoint(checkpoint, draft, optimizer, scheduler)
         start, history, eval_history = meta["step"], meta["history"], meta["eval_history"]
         log.info("resuming %s at step %d", out_dir, start)
     elif segment.init_from is not None:
-        meta = _start_from(segment, draft, optimizer, scheduler, source.config_hash)
+        meta = _start_from(segment, draft, optimizer, scheduler, source.digest)
         start, history, eval_history = meta["step"], meta["history"], meta["eval_history"]
     stop = _stop_step(segment, config, start)
     module, optimizer = accelerator.prepare(TTTLoss(draft, config.ttt_steps, config.gamma),
@@ -607,7 +630,7 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
                 eval_history.append(row)
             if accelerator.is_main_process:
                 save_checkpoint(out_dir, step + 1, draft, optimizer, scheduler, config, history,
-                                eval_history, source.config_hash)
+                                eval_history, source.digest)
                 write_history(out_dir / "history.csv", history)
             accelerator.wait_for_everyone()
     seconds = time.perf_counter() - tic
@@ -617,9 +640,11 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
     if accelerator.is_main_process:
         draft.save_pretrained(out_dir / "draft")
         write_history(out_dir / "eval.csv", eval_history)
-        save_config(out_dir, config, complete=True, seconds=seconds, metrics=metrics,
-                    store=str(source.path), store_config_hash=source.config_hash,
-                    n_train_sequences=len(data), n_train_tokens=data.n_tokens)
+        save_config_record(out_dir, config, complete=True, seconds=seconds, metrics=metrics,
+                           store=str(source.path), store_digest=source.digest,
+                           eval_store_digest=eval_store.digest if eval_store is not None
+                           else None, target=draft.target_identity,
+                           n_train_sequences=len(data), n_train_tokens=data.n_tokens)
     accelerator.wait_for_everyone()
     return TrainResult(draft, history, out_dir, out_dir / "draft", seconds, metrics)
 

@@ -4,9 +4,12 @@ Reads the hidden states a capture pass stored (``actwave.capture.store.CaptureSt
 which tokens to keep from the per-token columns alone (a cheap pre-pass: predictive-entropy
 filter, special tokens, loss mask, optional seeded subsample), then makes one pass over the
 shards with ``metrics.StreamingLayerStats``. The result is cached under
-``cache_dir()/layer_stats/<name>-<hash>/``: ``stats.safetensors`` (tensors), ``stats.json``
-(the rest of ``LayerStats``) and ``config.json`` (config, filter counts, versions; written
-last, so its presence marks a complete artifact).
+``cache_dir()/layer_stats/<name>-<hash>/``, the hash keyed by the store's content digest
+(``CaptureStore.digest``: its shard records and model) and the ``AnalysisConfig``, so a
+recaptured store with other contents never reuses old statistics: ``stats.safetensors``
+(tensors), ``stats.json`` (the rest of ``LayerStats``) and ``config.json`` (config, filter
+counts, versions, both files' size and sha256, its own checksum; written last, so its
+presence marks a complete artifact).
 """
 from __future__ import annotations
 
@@ -20,9 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from actwave.config import artifact_dir, atomic_write_json, save_config, to_jsonable
+from actwave.config import artifact_dir, to_jsonable
 from actwave.integrity import (Between, IntegrityError, WriterLock, check_fields, file_record,
-                               read_json, verify_once)
+                               read_record, save_config_record, verify_once,
+                               write_record)
 from actwave.stats.blockstats import block_pair_layer_stats
 from actwave.stats.metrics import LayerStats, StreamingLayerStats, token_filter, unit_rows
 
@@ -205,7 +209,9 @@ def _stream_store_blocks(store, keep: torch.Tensor, device, progress: bool,
 
 
 def _cache_key(store, config: AnalysisConfig) -> dict:
-    return {"capture": store.config_hash, "analysis": config.key()}
+    """The store's content digest (not its config: a store deleted and recaptured with other
+    contents gets new statistics) and the analysis config."""
+    return {"store": store.digest, "analysis": config.key()}
 
 
 def save_layer_stats(directory: Path, stats: LayerStats, key: dict, **extra) -> None:
@@ -222,10 +228,10 @@ def save_layer_stats(directory: Path, stats: LayerStats, key: dict, **extra) -> 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    atomic_write_json(directory / "stats.json",
-                      {k: v for k, v in record.items() if not isinstance(v, torch.Tensor)})
+    write_record(directory / "stats.json",
+                 {k: v for k, v in record.items() if not isinstance(v, torch.Tensor)})
     files = {name: file_record(directory / name) for name in STATS_FILES}
-    save_config(directory, key, files=files, **extra)
+    save_config_record(directory, key, files=files, **extra)
 
 
 STATS_FILES = ("stats.safetensors", "stats.json")
@@ -236,13 +242,18 @@ STATS_REPAIR = ("actwave.stats.analysis.compute_layer_stats(store, config) with 
 def load_layer_stats(directory: Path, key: dict | None = None) -> LayerStats:
     """Load a saved ``LayerStats``; refuse it if ``key`` differs from the recorded config or a
     file fails its recorded size/sha256 (IntegrityError; checked once per process)."""
-    recorded = read_json(directory / "config.json", STATS_REPAIR)
+    recorded = read_record(directory / "config.json", STATS_REPAIR)
     if key is not None and recorded["config"] != to_jsonable(key):
         raise ValueError(f"cached layer stats at {directory} were made for {recorded['config']},"
                          f" not {to_jsonable(key)}; delete that folder to recompute")
-    for name, file in recorded.get("files", {}).items():
-        verify_once(directory / name, file, STATS_REPAIR)
-    meta = read_json(directory / "stats.json", STATS_REPAIR)
+    files = recorded.get("files", {})
+    missing = [name for name in STATS_FILES if "sha256" not in files.get(name, {})]
+    if missing:
+        raise IntegrityError(directory / "config.json", "file records", list(STATS_FILES),
+                             f"none for {missing}", STATS_REPAIR)
+    for name in STATS_FILES:
+        verify_once(directory / name, files[name], STATS_REPAIR)
+    meta = read_record(directory / "stats.json", STATS_REPAIR)
     return LayerStats.from_dict({**meta, **load_file(directory / "stats.safetensors")})
 
 
@@ -252,7 +263,7 @@ def compute_layer_stats(store, config: AnalysisConfig, device: str | torch.devic
                         memory_budget: int | None = None) -> LayerStats:
     """``LayerStats`` over the store's tokens kept by ``config`` (all N+1 layers), cached.
 
-    The artifact is keyed by the capture's config hash and ``config``; a second call loads
+    The artifact is keyed by the store's content digest and ``config``; a second call loads
     it, and recomputes it if it fails verification (the repair). ``name`` (default: the
     store folder's name) prefixes the artifact folder. One writer per folder (WriterLock).
     ``route`` (``ROUTES``): 'all_pairs' keeps every covariance block; 'block_pairs' holds at
@@ -268,7 +279,7 @@ def compute_layer_stats(store, config: AnalysisConfig, device: str | torch.devic
     with WriterLock(directory):
         if (directory / "config.json").exists():
             try:
-                recorded = read_json(directory / "config.json", STATS_REPAIR)
+                recorded = read_record(directory / "config.json", STATS_REPAIR)
                 if route == "block_pairs" or recorded.get("route", "all_pairs") == "all_pairs":
                     log.info("layer stats: loading cache %s", directory)
                     return load_layer_stats(directory, key)

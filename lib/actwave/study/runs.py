@@ -327,9 +327,11 @@ def record_path(results_dir: Path, label: str, seed: int) -> Path:
 
 
 def record_key(config: StudyConfig, train: TrainConfig, stores: dict) -> str:
-    """What a record depends on: the study config, the training config, the stores' hashes."""
+    """What a record depends on: the study config, the training config and the stores'
+    content digests (``CaptureStore.digest``: their shards and the target that made them), so
+    a store recaptured with other contents or another target never reuses a record."""
     return config_hash({"study": asdict(config), "train": asdict(train),
-                        "stores": {k: s.config_hash for k, s in stores.items()}})
+                        "stores": {k: s.digest for k, s in stores.items()}})
 
 
 def data_hashes(stores: dict) -> dict[str, str]:

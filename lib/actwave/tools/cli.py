@@ -95,7 +95,11 @@ def add_select_parser(commands) -> None:
 
 
 def run_select(args: argparse.Namespace) -> dict:
-    """Capture, statistics and every method for ``args.model``; the result as plain data."""
+    """Capture, statistics and every method for ``args.model``; the result as plain data.
+
+    The capture is keyed by the content digest of the model's files (computed on every call),
+    the statistics by the store's content digest: new weights at the same path, or another
+    model under the same folder name, never reuse an old store or its statistics."""
     tic = time.perf_counter()
     store = run_capture(CaptureConfig(
         model=args.model, split="analysis", n_sequences=args.sequences,
@@ -112,7 +116,9 @@ def run_select(args: argparse.Namespace) -> dict:
     picks = {"top_proxy": _row(token_sets[filtered], config.combined_method)}
     if "eagle3_default" in methods:
         picks["eagle3_default"] = _row(token_sets[filtered], "eagle3_default")
-    result = {"model": args.model, "num_layers": num_layers, "hidden_size": store.hidden_size,
+    result = {"model": args.model, "model_digest": store.manifest["model_digest"],
+              "store": str(store.path), "store_digest": store.digest,
+              "num_layers": num_layers, "hidden_size": store.hidden_size,
               "k": args.k, "store_tokens": store.n_tokens, "proxy_token_set": filtered,
               "top_proxy_method": config.combined_method,
               "n_subsets": math.comb(num_layers, args.k), "token_sets": token_sets,
@@ -182,7 +188,8 @@ def format_report(result: dict) -> str:
     """The printed report of ``run_select``'s result."""
     lines = [f"actwave select · {result['model']} (N={result['num_layers']}, "
              f"d={result['hidden_size']}) · k={result['k']} · {result['store_tokens']:,} "
-             f"captured tokens · {result['seconds']:.0f} s", ""]
+             f"captured tokens · {result['seconds']:.0f} s",
+             f"model files {result['model_digest']} · store {result['store']}", ""]
     for label, token_set in result["token_sets"].items():
         lines += _method_table(label, token_set, result) + [""]
     lines += [f"Percentiles: share of all C({result['num_layers']}, {result['k']}) = "
