@@ -32,7 +32,21 @@ from actwave.config import (atomic_write_bytes, atomic_write_json, cache_dir,  #
                             package_versions, repo_root)
 from actwave.plots import to_markdown  # noqa: E402
 
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's bf16-related feature flags (``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    return sorted(flag for flag in flags if "bf16" in flag or flag in ("avx2", "avx512f", "amx_tile"))
+
+
 # bf16 only where the hardware has it: on AVX2-only CPUs a bf16 matmul is ~200× slower.
+NATIVE_BF16 = torch.cuda.is_available() or any("bf16" in flag for flag in cpu_flags())
 FAST_DTYPE = "bfloat16" if torch.cuda.is_available() else "float32"
 # Arguments per benchmark and size; each bench_<name>.main(argv) returns summary rows.
 SIZES = {
@@ -43,7 +57,9 @@ SIZES = {
                        "--dtype", FAST_DTYPE],
         "train": ["--steps", "3", "--dtypes", FAST_DTYPE],
         "round": ["--n-prompts", "2", "--max-new-tokens", "64"],
-        "speculative": ["--n-prompts", "5", "--max-new-tokens", "128"],
+        "speculative": ["--n-prompts", "20", "--max-new-tokens", "128"],
+        # bf16 beside fp32 where the machine computes bf16 natively: speed and exact-match rate
+        "speculative-bf16": ["--n-prompts", "20", "--max-new-tokens", "128", "--dtype", "bfloat16"],
     },
     "quick": {
         "capture": ["--batches", "2", "--seq-len", "128"],
@@ -54,6 +70,8 @@ SIZES = {
         "train": ["--steps", "1", "--seq-len", "128", "--dtypes", FAST_DTYPE],
         "round": ["--n-prompts", "1", "--max-new-tokens", "16", "--repeats", "2"],
         "speculative": ["--n-prompts", "1", "--max-new-tokens", "32", "--acceptance-prompts", "1"],
+        "speculative-bf16": ["--n-prompts", "1", "--max-new-tokens", "32", "--acceptance-prompts",
+                             "1", "--dtype", "bfloat16"],
     },
 }
 BENCHMARKS = tuple(SIZES["full"])
@@ -71,15 +89,21 @@ def draft_arguments(bench_draft: Path, manifest: Path, model: str = "smollm2-135
 
 
 def run_benchmarks(size: str, names: list[str], drafts: list[str]) -> pd.DataFrame:
-    """Run each named benchmark in turn; one row per ratio, with its wall time."""
+    """Run each named benchmark in turn; one row per ratio, with its wall time. A
+    ``<bench>-<variant>`` entry runs ``bench_<bench>`` with its own arguments; the bf16
+    variant only where bf16 is native (else it is skipped and says so)."""
     rows = []
     for name in names:
         argv = list(SIZES[size][name])
-        if name in ("speculative", "round"):
+        module = name.split("-")[0]
+        if name.endswith("-bf16") and not NATIVE_BF16:
+            print(f"\n===== {name}: skipped, no native bf16 on this machine ({cpu_flags()})")
+            continue
+        if module in ("speculative", "round"):
             argv += drafts
-        print(f"\n===== bench_{name} {' '.join(argv)}", flush=True)
+        print(f"\n===== bench_{module} {' '.join(argv)}", flush=True)
         tic = time.perf_counter()
-        results = importlib.import_module(f"bench_{name}").main(argv)
+        results = importlib.import_module(f"bench_{module}").main(argv)
         seconds = time.perf_counter() - tic
         rows += [{**row, "bench_seconds": round(seconds, 1)} for row in results]
     return pd.DataFrame(rows)
@@ -93,6 +117,7 @@ def write_summary(table: pd.DataFrame, out: Path, size: str) -> None:
     atomic_write_json(out / "summary.json", {
         "size": size, "machine": platform.platform(), "processor": platform.processor(),
         "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
+        "cpu_flags": cpu_flags(),
         "versions": package_versions()})
 
 

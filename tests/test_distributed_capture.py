@@ -50,10 +50,11 @@ def _use_sharegpt(path) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def small_sharegpt(tmp_path_factory):
-    """The bundled ShareGPT file's first 10^6 characters (its complete records are read)."""
+    """The bundled ShareGPT file's first 2·10^6 characters (its complete records are read):
+    11 analysis-split records with an assistant token in their first 40 tokens."""
     path = tmp_path_factory.mktemp("sharegpt") / "sharegpt-head.json"
     with data_mod.sharegpt_path().open(encoding="utf-8") as f:
-        path.write_text(f.read(10**6), encoding="utf-8")
+        path.write_text(f.read(2 * 10**6), encoding="utf-8")
     real = data_mod.sharegpt_path
     _use_sharegpt(path)
     yield path

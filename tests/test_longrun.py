@@ -15,6 +15,7 @@ from actwave.eagle3.online import OnlineSource, train_online
 from actwave.eagle3.schedule import WSDSchedule, cost, wsd_factor
 from actwave.eagle3.train import Segment
 from actwave.study import longrun
+from actwave.study import report as study_report
 from actwave.study import stats as study_stats
 from actwave.study.runs import StudySet
 
@@ -276,3 +277,43 @@ def test_budget_comparisons_adjust_all_but_the_primary():
     primary = [r for r in rows if r["primary"]]
     assert [(r["budget"], r["label"]) for r in primary] == [(256, study_stats.PRIMARY)]
     assert primary[0]["p_holm"] == primary[0]["p"]
+
+
+def test_rank_vs_largest_says_which_budget_predicts():
+    taus = {64: [0.9, 0.1, 0.5, 0.3, 0.7, 0.2], 256: [0.1, 0.2, 0.3, 0.5, 0.6, 0.8],
+            1024: [0.1, 0.2, 0.3, 0.5, 0.7, 0.9]}
+    records = [_record(f"set{i}", 0, budget, [round(40 * t)] * 4)
+               for budget, values in taus.items() for i, t in enumerate(values)]
+    rows = study_stats.rank_vs_largest(records, n_permutations=2000)
+    assert [(r["budget"], r["versus"], r["n"]) for r in rows] == [(64, 1024, 6), (256, 1024, 6)]
+    assert rows[1]["spearman"] == pytest.approx(1.0) and rows[1]["predicts"]
+    assert rows[0]["spearman"] == pytest.approx(scipy_stats.spearmanr(taus[64], taus[1024])[0])
+    assert not rows[0]["predicts"]
+    tables = study_report.long_tables(records, n_bootstrap=50, n_permutations=200)
+    stability = tables["rank_stability"]
+    assert set(stability["comparison"]) == {"next budget", "largest budget"}
+    assert stability.loc[stability["comparison"] == "largest budget", "train_steps"].tolist() == [64, 256]
+    assert len(tables["sets"]) == 18 and {"tau_hat", "tau_hat_sd"} <= set(tables["sets"])
+    figure = study_report.plot_tau_vs_budget(tables["sets"])
+    assert len(figure.axes[0].lines) == 6
+
+
+def test_key_sets_take_labels_or_aliases_and_the_best_of_each_family():
+    sets = [StudySet("eagle3_default", (2, 15, 27), "default", 3),
+            StudySet("greedy", (11, 28, 29), "selected", 1, ("renyi2_exhaustive@filtered",)),
+            StudySet("renyi2_exhaustive", (2, 28, 29), "selected", 1),
+            StudySet("cka_compartments", (10, 20, 27), "selected", 1),
+            StudySet("cka_compartments@filtered", (2, 10, 27), "selected", 1),
+            StudySet("random_low_1", (1, 6, 10), "random", 1),
+            StudySet("random_high_1", (17, 19, 21), "random", 1),
+            StudySet("entropy_topk", (28, 29, 30), "selected", 1, ("last_k",))]
+    one_x = {"cka_compartments": 1.17, "cka_compartments@filtered": 1.18,
+             "random_low_1": 1.10, "random_high_1": 1.16}
+    chosen = longrun.key_sets(sets, one_x, seeds=3)
+    assert [(s.label, s.layer_ids) for s in chosen] == [
+        ("eagle3_default", (2, 15, 27)), ("renyi2_exhaustive@filtered", (11, 28, 29)),
+        ("renyi2_exhaustive", (2, 28, 29)), ("cka_compartments@filtered", (2, 10, 27)),
+        ("random_high_1", (17, 19, 21)), ("last_k", (28, 29, 30))]
+    assert {s.seeds for s in chosen} == {3}
+    with pytest.raises(ValueError, match="no scored random set"):
+        longrun.key_sets(sets, {"cka_compartments": 1.2}, seeds=3)

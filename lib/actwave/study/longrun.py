@@ -6,7 +6,7 @@ layer-set difference. Here each (set, seed) gets one warmup-stable-decay *trunk*
 budget b ∈ {1, 4, 16, 32} × 64 steps, a *branch* that decays the LR to 0 at step b
 (``actwave.eagle3.schedule``); each branch is scored and written as one small JSON record,
 
-    results/study-long/<model>/records/<label>-s<seed>-b<steps>.json
+    results/study/long/<model>/records/<label>-s<seed>-b<steps>.json
 
 holding the config (set, seed, budget, schedule, the regenerated pools' digests), the
 training seconds and tokens up to b (with the host, device, threads and load average, to
@@ -182,7 +182,50 @@ def read_sets(path: Path, labels=None, seeds: int | None = None) -> list[StudySe
     if missing:
         raise ValueError(f"{path} has no set {sorted(missing)}")
     return [StudySet(r["label"], tuple(int(v) for v in r["layer_ids"].split(",")), r["kind"],
-                     seeds or int(r["seeds"])) for r in chosen]
+                     seeds or int(r["seeds"]),
+                     tuple(a for a in r.get("aliases", "").split(",") if a))
+            for r in chosen]
+
+
+# The pre-registered sets (README, "The study's next step"): the default, the paper's
+# method with and without the token filter, the best compartments pick and the best random
+# triple of the 1× study (by its offline τ̂), and a set holding the last layer.
+KEY_SETS = (REFERENCE, PRIMARY, "renyi2_exhaustive")
+BEST_OF = {"compartments": ("cka_compartments", "cka_compartments@filtered"), "random": ("random_",)}
+LAST_LAYER_SET = "last_k"
+
+
+def one_x_tau(records: list[dict]) -> dict[str, float]:
+    """{label: mean offline τ̂ over seeds} of the 1× study's records (main budget only)."""
+    taus: dict[str, list[float]] = {}
+    for record in records:
+        if record.get("steps_factor", 1) == 1:
+            taus.setdefault(record["label"], []).append(record["offline"]["tau_hat"])
+    return {label: float(np.mean(values)) for label, values in taus.items()}
+
+
+def key_sets(sets: list[StudySet], one_x: dict[str, float], seeds: int) -> list[StudySet]:
+    """The pre-registered sets, ``seeds`` seeds each: ``KEY_SETS``, the best (1× τ̂) of each
+    ``BEST_OF`` family, and ``LAST_LAYER_SET``, found by label or alias (a set several
+    methods picked is trained once in the 1× study); a family or set the table lacks is
+    refused. Two key names for one layer set run once, under the first name."""
+    by_label = {name: s for s in sets for name in (s.label, *s.aliases)}
+    labels = list(KEY_SETS)
+    for family, prefixes in BEST_OF.items():
+        members = [s.label for s in sets if s.label.startswith(prefixes) and s.label in one_x]
+        if not members:
+            raise ValueError(f"no scored {family} set in the study's table (prefixes {prefixes})")
+        labels.append(max(members, key=lambda label: (one_x[label], label)))
+    labels.append(LAST_LAYER_SET)
+    missing = [label for label in labels if label not in by_label]
+    if missing:
+        raise ValueError(f"the study's set table has no {missing}")
+    chosen: dict[tuple[int, ...], StudySet] = {}
+    for label in labels:
+        found = by_label[label]
+        chosen.setdefault(tuple(found.layer_ids),
+                          StudySet(label, tuple(found.layer_ids), found.kind, seeds))
+    return list(chosen.values())
 
 
 # ----------------------------------------------------------------------------- data
@@ -216,6 +259,44 @@ def pool_source(regen, tokenizer, max_seq_len: int, pinned_dir: Path | None = No
     sequences = [s for s in sequences if any(s["loss_mask"]) and len(s["input_ids"]) >= 3]
     return OnlineSource.from_sequences(sequences, f"pool-{pool_digest(manifest)}",
                                        f"regenerated:{folder.name}")
+
+
+def sharegpt_source(model: str, split: str, n: int, tokenizer, max_seq_len: int) -> OnlineSource:
+    """The first ``n`` usable conversations of a ShareGPT split with their *original*
+    replies (for a target whose own greedy replies degenerate, e.g. the Gemma-3 base
+    model: docs/METHODS.md §3); identity ``sharegpt-<hash of the text and settings>``."""
+    from actwave.capture import data as data_mod
+
+    rows = data_mod.sharegpt_split(split)
+    sequences, used = [], []
+    for index, row in enumerate(rows):
+        sequence = data_mod.tokenize_chat(tokenizer, row["messages"], max_seq_len)
+        if any(sequence["loss_mask"]) and len(sequence["input_ids"]) >= 3:
+            sequences.append(sequence)
+            used.append(index)
+        if len(sequences) == n:
+            break
+    identity = config_hash({"model": model, "split": split, "n": n, "max_seq_len": max_seq_len,
+                            "data": data_mod.content_hash(rows.select(used))})
+    return OnlineSource.from_sequences(sequences, f"sharegpt-{identity}", f"sharegpt:{split}")
+
+
+def text_sources(model: str, tokenizer, max_seq_len: int, n_train: int, n_eval: int
+                 ) -> dict[str, OnlineSource]:
+    """{"train", "eval"}: the model's regenerated pools (``capture.pools``; the first n of
+    each) when it has them, else ShareGPT's original replies of the same splits."""
+    from actwave.capture import pools
+
+    if model not in pools.pool_configs():
+        return {split: sharegpt_source(model, split, n, tokenizer, max_seq_len)
+                for split, n in (("train", n_train), ("eval", n_eval))}
+    sources = {}
+    for split, n in (("train", n_train), ("eval", n_eval)):
+        source = pool_source(pools.pool_config(model, split), tokenizer, max_seq_len,
+                             pools.pinned_dir())
+        sources[split] = OnlineSource(source.input_ids[:n], source.loss_mask[:n],
+                                      f"{source.config_hash}-first{n}", source.path)
+    return sources
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -429,64 +510,88 @@ def run_jobs(jobs: list[Job], run: LongRun, max_jobs: int | None = None,
     return records
 
 
+def results_folder(model: str, study_results: Path | None = None) -> Path:
+    """``<study results>/long/<model slug>``: the long runs' records/ folder lives here."""
+    from actwave.capture.models import slug
+    from actwave.config import results_dir
+
+    return Path(study_results or results_dir("study")) / "long" / slug(model)
+
+
+def load_records(folder: Path) -> list[dict]:
+    """Every record under ``folder/records``, sorted by file name."""
+    return [load_record(path) for path in sorted((Path(folder) / "records").glob("*.json"))]
+
+
+def study_sets(model: str, labels=None, seeds: int = 3,
+               study_results: Path | None = None) -> list[StudySet]:
+    """The sets to run: the pre-registered key sets (``key_sets``) with ``seeds`` seeds, or
+    the 1× study's sets named in ``labels`` ("all": every set), from the 1× study's set
+    table and records in ``study_results`` (default ``results/study``)."""
+    from actwave.capture.models import slug
+    from actwave.config import results_dir
+    from actwave.study.runs import load_records as load_one_x
+
+    folder = Path(study_results or results_dir("study"))
+    table = folder / f"08_sets_{slug(model)}.csv"
+    if labels == "all":
+        return read_sets(table, None, seeds)
+    if labels:
+        return read_sets(table, labels, seeds)
+    return key_sets(read_sets(table), one_x_tau(load_one_x(folder / slug(model))), seeds)
+
+
+def prepare(model: str, config: LongRunConfig, n_train: int = 3200, n_eval: int = 400,
+            target_dtype: str = "float32", results: Path | None = None) -> LongRun:
+    """Load the target and the text (pools, else ShareGPT) of one model's long runs."""
+    from accelerate import Accelerator
+
+    from actwave.capture.models import DTYPES, load, slug
+    from actwave.config import cache_dir
+
+    target, tokenizer = load(model, dtype=DTYPES[target_dtype], device=Accelerator().device)
+    sources = text_sources(model, tokenizer, config.max_seq_len, n_train, n_eval)
+    return LongRun(config, target, sources["train"], sources["eval"],
+                   Path(results or results_folder(model)), cache_dir() / "longrun" / slug(model))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command line: plan, status, or run the long study of one model (see module docstring)."""
     import argparse
 
-    from accelerate import Accelerator
-
-    from actwave.capture.models import DTYPES, load, slug
-    from actwave.capture.regenerate import RegenConfig
-    from actwave.config import cache_dir, repo_root
+    from actwave.capture.models import DTYPES
 
     parser = argparse.ArgumentParser(description="Layer sets at matched, decayed budgets.")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--sets", default=None, help="set table (default results/study/"
-                        "08_sets_<model>.csv)")
-    parser.add_argument("--labels", default=None, help="comma-separated set labels (default all)")
-    parser.add_argument("--seeds", type=int, default=None, help="seeds per set (default: the "
-                        "table's: 3 for the default and the two best selected sets, else 1)")
+    parser.add_argument("--labels", default=None, help="comma-separated set labels of the 1× "
+                        "study, or 'all' (default: the pre-registered key sets)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per set")
     parser.add_argument("--multipliers", default="1,4,16,32", help="budgets in base-step units")
     parser.add_argument("--base-steps", type=int, default=64)
     parser.add_argument("--train-conversations", type=int, default=3200)
     parser.add_argument("--eval-conversations", type=int, default=400)
     parser.add_argument("--target-dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument("--results", default=None, help="default results/study-long/<model>")
-    parser.add_argument("--pinned", default=None, help="pinned regenerations (default "
-                        "results/regenerated)")
     parser.add_argument("--max-jobs", type=int, default=None, help="stop after this many jobs")
     parser.add_argument("--status", action="store_true", help="print done / missing / ETA; exit")
     args = parser.parse_args(argv)
-    root, name = repo_root(), slug(args.model)
     config = LongRunConfig(model=args.model, base_steps=args.base_steps,
                            multipliers=tuple(int(m) for m in args.multipliers.split(",")))
-    labels = args.labels.split(",") if args.labels else None
-    sets = read_sets(args.sets or root / "results" / "study" / f"08_sets_{name}.csv", labels,
-                     args.seeds)
+    labels = args.labels if args.labels in (None, "all") else args.labels.split(",")
+    sets = study_sets(args.model, labels, args.seeds)
     jobs = plan(sets, config.budgets)
-    results = Path(args.results or root / "results" / "study-long" / name)
+    results = results_folder(args.model)
     steps = cost(config.schedule())
     print(f"budgets {config.budgets}: {steps['wsd']} steps per (set, seed) with decay branches "
           f"(trunk {steps['trunk']} + decays {steps['branches']}) vs {steps['separate']} for "
-          f"separate cosine runs; {len(jobs)} jobs, {len(sets)} sets")
+          f"separate cosine runs; {len(jobs)} jobs, sets {[s.label for s in sets]}")
     report = status(jobs, results, config.schedule())
     print(f"done {len(report['done'])}/{len(jobs)} {report['by_budget']}; about "
           f"{report['remaining_seconds'] / 3600:.1f} h left at {report['seconds_per_step']:.2f}"
           f" s/step; next {report['missing'][:1]}")
     if args.status:
         return
-    target, tokenizer = load(args.model, dtype=DTYPES[args.target_dtype],
-                             device=Accelerator().device)
-    pinned = Path(args.pinned or root / "results" / "regenerated")
-    pools = {split: pool_source(RegenConfig(model=args.model, split=split, n_conversations=n,
-                                            max_prompt_len=160, max_new_tokens=160,
-                                            batch_size=16, dtype="bfloat16",
-                                            batches_per_chunk=4),
-                                tokenizer, config.max_seq_len, pinned)
-             for split, n in (("train", args.train_conversations),
-                              ("eval", args.eval_conversations))}
-    run = LongRun(config, target, pools["train"], pools["eval"], results,
-                  cache_dir() / "longrun" / name)
+    run = prepare(args.model, config, args.train_conversations, args.eval_conversations,
+                  args.target_dtype, results)
     run_jobs(jobs, run, args.max_jobs)
 
 

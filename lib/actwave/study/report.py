@@ -221,3 +221,42 @@ def budget_tokens(records: list[dict]) -> float:
     """Training tokens of one equal-budget draft (the default's, seed order first)."""
     main = [r for r in main_records(records) if r["label"] == REFERENCE]
     return float(main[0]["history"][-1]["tokens"]) if main and main[0]["history"] else math.nan
+
+
+# ----------------------------------------------------------------------------- long runs
+def long_tables(records: list[dict], n_bootstrap: int = 2000, n_permutations: int = 10000,
+                seed: int = 0) -> dict[str, pd.DataFrame]:
+    """The long runs' tables of one model (``actwave.study.longrun`` records):
+
+    - ``sets``: per budget × set, τ̂ (mean, seed SD, min, max) and the paired Δ vs the
+      default with its seed × sequence CI and Holm-adjusted p (the primary comparison unadjusted);
+    - ``rank_stability``: rankings at successive budgets, and each budget vs the largest
+      (``predicts``: the budget's ranking predicts the largest budget's).
+    """
+    curves = pd.DataFrame(study_stats.budget_curves(records))
+    versus = pd.DataFrame(study_stats.budget_comparisons(records, n_bootstrap=n_bootstrap, seed=seed))
+    sets = curves if versus.empty else curves.merge(
+        versus.drop(columns=[c for c in ("n_seeds",) if c in versus]),
+        on=["budget", "label"], how="left")
+    successive = pd.DataFrame(study_stats.rank_stability(records, n_permutations, seed))
+    largest = pd.DataFrame(study_stats.rank_vs_largest(records, n_permutations, seed))
+    stability = pd.concat([successive.rename(columns={"next_budget": "versus"}).assign(
+        comparison="next budget"), largest.assign(comparison="largest budget")],
+        ignore_index=True)
+    return {"sets": sets, "rank_stability": stability.rename(columns={"budget": "train_steps"})}
+
+
+def plot_tau_vs_budget(curves: pd.DataFrame, title: str = "") -> Figure:
+    """τ̂ against training budget (log scale) per set: the seed mean as a line, the range
+    over seeds as a band."""
+    fig, ax = plt.subplots(figsize=(5.0, 3.6))
+    for label, rows in curves.sort_values("budget").groupby("label", sort=True):
+        line, = ax.plot(rows["budget"], rows["tau_hat"], marker="o", ms=3, lw=1.2, label=label)
+        ax.fill_between(rows["budget"], rows["tau_hat_min"], rows["tau_hat_max"],
+                        color=line.get_color(), alpha=0.18, lw=0)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("training steps (decayed branch of one WSD run)")
+    ax.set_ylabel("offline τ̂ (held-out)")
+    ax.set_title(title)
+    ax.legend(fontsize=6, ncol=2)
+    return fig

@@ -222,6 +222,31 @@ def rank_stability(records: list[dict], n_permutations: int = 10000, seed: int =
     return rows
 
 
+def rank_vs_largest(records: list[dict], n_permutations: int = 10000, seed: int = 0,
+                    alpha: float = 0.05) -> list[dict]:
+    """Does the ranking at a budget predict the ranking at the largest one? Per smaller
+    budget: Spearman ρ and Kendall τ_b (permutation p) between the sets' mean τ̂ there and at
+    the largest budget; ``predicts`` when ρ > 0 with p < ``alpha``. The smallest budget that
+    predicts is the budget a short validation can use (``actwave.tools.validate``).
+
+    -> rows {"budget", "versus" (the largest budget), "n", "spearman", "spearman_p",
+    "kendall", "kendall_p", "predicts"}.
+    """
+    means = {budget: set_means(group) for budget, group in by_budget(records).items()}
+    if not means:
+        return []
+    largest = max(means)
+    rows = []
+    for budget in sorted(b for b in means if b != largest):
+        labels = sorted(set(means[budget]) & set(means[largest]))
+        found = rank_correlation([means[budget][label] for label in labels],
+                                 [means[largest][label] for label in labels],
+                                 n_permutations, seed)
+        rows.append({"budget": budget, "versus": largest, **found,
+                     "predicts": bool(found["spearman"] > 0 and found["spearman_p"] < alpha)})
+    return rows
+
+
 def budget_curves(records: list[dict]) -> list[dict]:
     """τ̂ vs budget per set, with its seed band: rows {"label", "budget", "tokens" (mean
     training tokens), "n_seeds", "tau_hat" (mean), "tau_hat_sd" (NaN for one seed),

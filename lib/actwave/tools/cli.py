@@ -271,6 +271,16 @@ def _bench(argv: list[str]) -> int | None:
     return 0
 
 
+def _pools(argv: list[str]) -> int | None:
+    from actwave.capture import pools
+    return pools.main(argv)
+
+
+def _longrun(argv: list[str]) -> int | None:
+    from actwave.study import longrun
+    return longrun.main(argv)
+
+
 # subcommand -> (help, runner of the module's main(argv)); imported on use (startup stays fast)
 DELEGATES = {
     "plan": ("what each step of a profile needs: disk, memory, time", _plan),
@@ -278,6 +288,8 @@ DELEGATES = {
     "compare": ("compare a rerun's tables with the committed ones", _compare),
     "train": ("train one EAGLE-3 draft from a capture store", _train),
     "bench": ("run every benchmark and write the summary table", _bench),
+    "pools": ("regenerate (or restore from the pin) a model's on-policy text pools", _pools),
+    "longrun": ("the study's long runs: status, or train the missing (set, seed, budget)s", _longrun),
 }
 
 

@@ -389,6 +389,35 @@ def sensitivity_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
                  gram_flops / rates["stats"])]
 
 
+LONGRUN_SEQ_LEN = 320  # actwave.study.longrun.LongRunConfig.max_seq_len
+LONGRUN_FILL = 147_013 / (768 * 320)  # regenerated sequences fill 60% of 320 (results/benchmarks/draft.json)
+KEY_SETS = 6           # the pre-registered sets (actwave.study.longrun.key_sets)
+
+
+def longrun_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
+    """Notebook 12: one WSD run per (set, seed), online (a target forward per step besides the
+    draft's training), and one offline scoring of the held-out text per scored budget."""
+    from actwave.eagle3.schedule import WSDSchedule, cost
+
+    budgets = tuple(int(m) * int(p["longrun_base_steps"])
+                    for m in str(p["longrun_multipliers"]).split(","))
+    steps = cost(WSDSchedule(int(p["longrun_warmup_steps"]), budgets,
+                             min_decay=int(p["longrun_min_decay"])))["wsd"]
+    named = [x for x in str(p.get("longrun_sets", "")).split(",") if x.strip()]
+    runs = (len(named) if named and named != ["all"] else KEY_SETS) * int(p["longrun_seeds"])
+    tokens = runs * steps * int(p["batch_size"]) * LONGRUN_SEQ_LEN * LONGRUN_FILL
+    draft = draft_train_flops_per_token(shape, 3, int(p["draft_vocab_size"]),
+                                        int(p["ttt_steps"]), LONGRUN_SEQ_LEN)
+    train = tokens * (draft / rates["train"] + shape.forward_flops / rates["capture"])
+    scored = runs * len(budgets) * int(p["longrun_eval_conversations"]) * LONGRUN_SEQ_LEN * LONGRUN_FILL
+    return [Need(f"12 long runs: {runs} (set, seed) × {steps} steps",
+                 f"budgets {budgets}, decayed branches of one WSD run each (training, online)",
+                 train),
+            Need("12 long runs: scoring", f"{runs * len(budgets)} records × "
+                 f"{p['longrun_eval_conversations']} held-out sequences",
+                 scored * shape.forward_flops / rates["capture"])]
+
+
 def plan_needs(shape: Shape, profile: dict, rates: dict, route: str, budget: float,
                train: bool = True) -> list[Need]:
     """Every step of the profile's notebooks for one model: 01-07 (``train``: the model is a
@@ -407,6 +436,8 @@ def plan_needs(shape: Shape, profile: dict, rates: dict, route: str, budget: flo
         extra_k = Path(shape.name).stem in str(profile.get("extra_k_models", "")).split(",")
         needs += [need for need in study_needs(shape, profile, rates, where, extra_k)
                   if need.step[:2] in notebooks]
+    if "12" in notebooks:
+        needs += longrun_needs(shape, profile, rates)
     return needs
 
 

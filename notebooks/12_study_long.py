@@ -1,0 +1,111 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+
+# %% [markdown]
+# # 12 — The study at matched, decayed budgets: does the answer hold for drafts that learned?
+#
+# The 1× study (notebooks 08–10) trains each draft 64 steps: one epoch of ~24k tokens, τ̂ ≈
+# 1.18, the learning curve still rising. Here every pre-registered set (README, "The
+# study's next step") gets one warmup-stable-decay run per seed, and a decayed branch at each
+# budget (1×, 4×, 16×, 32× the 64 steps; `actwave.eagle3.schedule`) is scored with offline
+# τ̂ on held-out text (`actwave.study.longrun`): drafts of one set are compared with the
+# default only at matched, fully decayed checkpoints. Text: the target's own regenerated
+# replies where it has a pool (`profiles/data/pools.yaml`: SmolLM2), else ShareGPT's
+# original replies (Gemma-3, whose greedy replies loop). One small record per (set, seed,
+# budget) under `results/<profile>/long/<model>/records/`, committed: a rerun (or a fresh
+# clone) trains only what is missing, in an order that finishes whole budgets first.
+#
+# Then: per model × budget × set, τ̂ (seed mean, SD, range), the paired Δ to the default
+# with a seed × sequence bootstrap CI and Holm-adjusted p (the pre-registered primary
+# comparison unadjusted); the rank stability of the sets across budgets; τ̂ vs budget.
+
+# %% tags=["parameters"]
+profile = "study"
+models = "smollm2-135m,gemma3-270m"
+seed = 0
+longrun_sets = ""  # "": the pre-registered key sets; "all"; or comma-separated labels of notebook 08
+longrun_seeds = 3
+longrun_base_steps = 64
+longrun_multipliers = "1,4,16,32"
+longrun_warmup_steps = 6
+longrun_min_decay = 16  # decay branch: max(ceil(0.2·budget), this) steps
+longrun_train_conversations = 3200
+longrun_eval_conversations = 400
+longrun_max_jobs = -1  # -1: every missing job; 0: report the committed records only
+n_bootstrap = 1000
+n_permutations = 10000
+
+# %%
+import logging
+
+import pandas as pd
+
+from actwave import plots
+from actwave.capture import models as model_zoo
+from actwave.config import results_dir as results_dir_of
+from actwave.study import longrun, report
+
+logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+logging.getLogger("actwave").setLevel(logging.INFO)
+NOTEBOOK = "12_study_long"
+model_names = [m.strip() for m in models.split(",") if m.strip()]
+results_dir = results_dir_of(profile)
+labels = longrun_sets if longrun_sets in ("", "all") else longrun_sets.split(",")
+plots.setup_style()
+
+# %% [markdown]
+# ## Runs: what is done, what is missing, and the missing jobs in order
+
+# %%
+for name in model_names:
+    config = longrun.LongRunConfig(model=name, base_steps=longrun_base_steps,
+                                   multipliers=tuple(int(m) for m in longrun_multipliers.split(",")),
+                                   warmup_steps=longrun_warmup_steps, min_decay=longrun_min_decay)
+    sets = longrun.study_sets(name, labels or None, longrun_seeds, results_dir)
+    jobs = longrun.plan(sets, config.budgets)
+    folder = longrun.results_folder(name, results_dir)
+    status = longrun.status(jobs, folder, config.schedule())
+    print(name, [s.label for s in sets], f"done {len(status['done'])}/{len(jobs)}",
+          f"about {status['remaining_seconds'] / 3600:.1f} h left")
+    if longrun_max_jobs != 0 and status["missing"]:
+        run = longrun.prepare(name, config, longrun_train_conversations,
+                              longrun_eval_conversations, results=folder)
+        longrun.run_jobs(jobs, run, None if longrun_max_jobs < 0 else longrun_max_jobs)
+        del run
+
+# %% [markdown]
+# ## τ̂ per budget and set, the paired difference to the default, and rank stability
+# `diff`, `ci_low`, `ci_high`: τ̂(set) − τ̂(default) with the seed × sequence bootstrap CI;
+# `p_holm`: Holm-adjusted per budget (the primary comparison, `primary`, unadjusted).
+# Rank stability: Spearman and Kendall (permutation p) between the sets' rankings at
+# successive budgets and at each budget vs the largest (`predicts`: ρ > 0, p < 0.05).
+
+# %%
+tables = {}
+for name in model_names:
+    records = longrun.load_records(longrun.results_folder(name, results_dir))
+    if not records:
+        print(name, "no long-run records yet")
+        continue
+    tables[name] = report.long_tables(records, n_bootstrap, n_permutations, seed)
+    slug = model_zoo.slug(name)
+    plots.save_table(tables[name]["sets"], f"{NOTEBOOK}_sets_{slug}", NOTEBOOK, results_dir,
+                     sort_by=["budget", "label"])
+    fig = report.plot_tau_vs_budget(tables[name]["sets"], title=name)
+    plots.save_figure(fig, f"{NOTEBOOK}_tau_vs_budget_{slug}", NOTEBOOK)
+if tables:
+    stability = pd.concat([t["rank_stability"].assign(model=model_zoo.slug(name))
+                                 for name, t in tables.items()], ignore_index=True)
+    plots.save_table(stability, f"{NOTEBOOK}_rank_stability", NOTEBOOK, results_dir,
+                     sort_by=["model", "comparison", "train_steps"])
+    stability
