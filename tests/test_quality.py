@@ -25,3 +25,26 @@ def test_degeneracy_summary_and_replies():
     assert reply_texts(conversations) == ["a"]
     with pytest.raises(ValueError, match="no replies"):
         degeneracy([], 5)
+
+
+def test_pinned_pool_reads_verified_and_old_pins_only_when_asked(tmp_path):
+    """The committed eval pool reads back verified; a chunk without a sha256 in its manifest
+    (a pin from before checksums) is refused unless read unverified."""
+    import json
+    import shutil
+
+    from actwave.capture.quality import pinned_conversations
+    from actwave.config import repo_root
+    from actwave.integrity import IntegrityError
+
+    pinned = sorted((repo_root() / "results" / "regenerated").glob("smollm2-135m-eval-*"))[0]
+    manifest, conversations = pinned_conversations(pinned)
+    assert len(conversations) == manifest["n_conversations"] == 400
+    old = shutil.copytree(pinned, tmp_path / pinned.name)
+    stripped = json.loads((old / "manifest.json").read_text())
+    for chunk in stripped["chunks"]:
+        del chunk["sha256"]
+    (old / "manifest.json").write_text(json.dumps(stripped))
+    with pytest.raises(IntegrityError, match="a sha256"):
+        pinned_conversations(old)
+    assert pinned_conversations(old, verified=False)[1] == conversations

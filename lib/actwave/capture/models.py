@@ -259,6 +259,15 @@ def refuse_custom_code(source: str | Path, name: str) -> None:
                 "provides, or remove auto_map if the architecture is built in")
 
 
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
+    """The tokenizer ``load`` would return, without loading the weights (a bundled model is
+    dequantised once if it is not cached yet)."""
+    name = resolve(name_or_path)
+    source = _cached_bundled_dir(REGISTRY[name]) if name in REGISTRY else name
+    refuse_custom_code(source, name)
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+
+
 def load(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu"):
     """Load a target model and tokenizer -> (model in eval mode, tokenizer).

@@ -12,6 +12,7 @@ distribution. Two measures, both per assistant reply:
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Iterable, Sequence
 
 
@@ -48,13 +49,54 @@ def degeneracy(replies: Sequence[Sequence[int]], max_new_tokens: int, n: int = 4
             "budget_hit_share": at_budget / len(replies)}
 
 
-def pinned_conversations(folder) -> tuple[dict, list[dict]]:
-    """(manifest, conversations) of a pinned regeneration folder, chunks verified."""
-    from pathlib import Path
+def pinned_conversations(folder, verified: bool = True) -> tuple[dict, list[dict]]:
+    """(manifest, conversations) of a pinned regeneration folder, chunks verified against
+    their sha256; ``verified=False`` reads pins made before chunks had checksums (the 1×
+    study's) as they are."""
+    import json
 
     from actwave.capture.regenerate import _dataset, _load_manifest  # one reader of chunks
     folder = Path(folder)
     manifest = _load_manifest(folder / "manifest.json")
     if manifest is None:
         raise FileNotFoundError(f"{folder} holds no manifest.json: not a regeneration folder")
-    return manifest, _dataset(folder, manifest).to_list()
+    if verified:
+        return manifest, _dataset(folder, manifest).to_list()
+    return manifest, [json.loads(line) for chunk in manifest["chunks"]
+                      for line in (folder / chunk["file"]).read_text().splitlines() if line]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m actwave.capture.quality FOLDER... [--csv PATH]``: the degeneracy of pinned
+    regenerations (one row per folder; the model's tokenizer counts the tokens)."""
+    import argparse
+    import csv
+
+    from actwave.capture.models import load_tokenizer
+
+    parser = argparse.ArgumentParser(description="repetition and budget hits of regenerated text")
+    parser.add_argument("folders", nargs="+", help="pinned regeneration folders")
+    parser.add_argument("--csv", help="also write the rows to this CSV file")
+    parser.add_argument("--unverified", action="store_true",
+                        help="read pins made before chunks had checksums (the 1x study's)")
+    args = parser.parse_args(argv)
+    rows = []
+    for folder in args.folders:
+        manifest, conversations = pinned_conversations(folder, not args.unverified)
+        config = manifest["config"]
+        tokenizer = load_tokenizer(config["model"])
+        replies = [tokenizer(text, add_special_tokens=False)["input_ids"]
+                   for text in reply_texts(conversations)]
+        rows.append({"folder": Path(folder).name, "model": config["model"],
+                     "dtype": config["dtype"], "verified": not args.unverified,
+                     **degeneracy(replies, config["max_new_tokens"])})
+        print(rows[-1])
+    if args.csv:
+        with open(args.csv, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]), lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
