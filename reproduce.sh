@@ -8,6 +8,9 @@
 #       set up .venv, then open notebooks/ in JupyterLab (README: "Open and tweak")
 #   ./reproduce.sh test [pytest args...]
 #       set up .venv, then run the test suite
+#   ./reproduce.sh bench [run_all.py args...]
+#       set up .venv, train (or resume) the benchmark draft on the pooled text, then run every
+#       benchmark into results/benchmarks/ (README: "Benchmarks"; ~1.5 h on 2 idle cores)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -16,7 +19,7 @@ PROFILE=cpu
 ONLY=""
 MODEL=""
 MODE=run
-case "${1:-}" in test|lab) MODE=$1; shift ;; esac
+case "${1:-}" in test|lab|bench) MODE=$1; shift ;; esac
 if [[ $MODE == run ]]; then
   while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -26,7 +29,7 @@ if [[ $MODE == run ]]; then
         case "$1" in --profile) PROFILE=$2 ;; --only) ONLY=$2 ;; --model) MODEL=$2 ;; esac
         shift 2 ;;
       --compare) MODE=compare; shift ;;
-      -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+      -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
       *) refuse "unknown argument: $1 (see ./reproduce.sh --help)" ;;
     esac
   done
@@ -62,6 +65,7 @@ case $MODE in
          --LabApp.app_settings_dir=jupyter/lab-settings \
          --KernelManager.transport_encryption=required "$@" ;;
   compare) exec $PY -m actwave.tools.compare --profile "$PROFILE" ;;
+  bench) $PY benchmarks/train_draft.py && exec $PY benchmarks/run_all.py "$@" ;;
 esac
 
 # --- notebooks: refuse a bad profile, --only or --model before anything runs --------------

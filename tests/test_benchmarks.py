@@ -79,13 +79,14 @@ def test_speculative_summary_rows_mark_random_drafts_and_report_shapes(monkeypat
     assert all(r["measure"].endswith("(fp32, routed linears)") for r in routed[1:])
 
 
-def test_bench_draft_trains_on_regenerated_replies_and_resumes_from_the_pin(tmp_path,
-                                                                            monkeypatch):
-    """train_draft.py on a tiny Llama: replies regenerated and pinned, the draft trained
-    online into the cache, its cost recorded; with the regeneration cache gone, a rerun
-    restores the pinned text and finds the finished draft (no step retrained)."""
+def test_bench_draft_trains_on_the_pool_and_resumes_from_the_pin(tmp_path, monkeypatch):
+    """train_draft.py on a tiny Llama with its own pools file: replies regenerated and
+    pinned chunk by chunk, the draft trained online into the cache, its cost recorded; with
+    the regeneration cache gone, a rerun restores the pinned text and finds the finished
+    draft (no step retrained)."""
     import shutil
 
+    import yaml
     from conftest import save_tiny_llama
     from test_cli import tiny_tokenizer
 
@@ -93,10 +94,17 @@ def test_bench_draft_trains_on_regenerated_replies_and_resumes_from_the_pin(tmp_
     monkeypatch.syspath_prepend(str(repo_root() / "benchmarks"))
     train_draft = importlib.import_module("train_draft")
     folder = save_tiny_llama(tmp_path / "tiny-bench-llama", tiny_tokenizer(), hidden_size=32)
-    argv = ["--model", folder, "--layers", "1,3,5", "--conversations", "3",
-            "--max-seq-len", "64", "--regen-new-tokens", "8", "--steps", "3",
-            "--warmup-steps", "1", "--checkpoint-every", "2", "--draft-vocab-size", "64",
-            "--eval-conversations", "2", "--out", str(tmp_path / "out")]
+    pool = dict(max_prompt_len=56, max_new_tokens=8, batch_size=2, dtype="float32",
+                batches_per_chunk=1)
+    (tmp_path / "pools.yaml").write_text(yaml.safe_dump(
+        {str(folder): {"train": {"n_conversations": 3, **pool},
+                       "eval": {"n_conversations": 2, **pool}}}))
+    monkeypatch.setenv("ACTWAVE_POOLS", str(tmp_path / "pools.yaml"))
+    monkeypatch.setenv("ACTWAVE_PINNED", str(tmp_path / "pinned"))
+    argv = ["--model", str(folder), "--layers", "1,3,5", "--conversations", "3",
+            "--max-seq-len", "64", "--steps", "3", "--warmup-steps", "1",
+            "--checkpoint-every", "2", "--draft-vocab-size", "64", "--eval-conversations", "2",
+            "--out", str(tmp_path / "out")]
     draft_dir = train_draft.main(argv)
     record = json.loads((tmp_path / "out" / "draft.json").read_text())
     assert (tmp_path / "cache" / record["draft"] / "config.json").exists()
@@ -106,8 +114,8 @@ def test_bench_draft_trains_on_regenerated_replies_and_resumes_from_the_pin(tmp_
     for part in ("train", "held_out"):  # per-TTT-step agreement on 2 seen + 2 held-out sequences
         agreement = record["agreement"][part]
         assert agreement["n_sequences"] == 2 and all(0 <= agreement[f"acc_{i}"] <= 1 for i in range(3))
-    pinned = list((tmp_path / "out" / "regenerated").glob("*/manifest.json"))
-    assert len(pinned) == 2  # the train split's replies and the held-out eval split's
+    pinned = list((tmp_path / "pinned").glob("*/manifest.json"))
+    assert len(pinned) == 2  # the train pool's replies and the held-out eval pool's
     history = (draft_dir / "history.csv").read_text()
     shutil.rmtree(tmp_path / "cache" / "regenerated")
     assert train_draft.main(argv) == draft_dir

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 import yaml
@@ -24,9 +25,15 @@ POOLS_FILE = "profiles/data/pools.yaml"
 PINNED_DIR = "results/regenerated"
 
 
-def pool_configs(root: Path | None = None) -> dict[str, dict[str, RegenConfig]]:
-    """{model: {split: RegenConfig}} as ``profiles/data/pools.yaml`` declares them."""
-    path = (root or repo_root()) / POOLS_FILE
+def pools_file() -> Path:
+    """``$ACTWAVE_POOLS`` (a YAML file of the same layout: pools of your own models), else
+    the repository's ``profiles/data/pools.yaml``."""
+    return Path(os.environ.get("ACTWAVE_POOLS") or repo_root() / POOLS_FILE)
+
+
+def pool_configs() -> dict[str, dict[str, RegenConfig]]:
+    """{model: {split: RegenConfig}} as the pools file declares them."""
+    path = pools_file()
     declared = yaml.safe_load(path.read_text()) or {}
     return {model: {split: RegenConfig(model=model, split=split, **fields)
                     for split, fields in splits.items()}
@@ -37,16 +44,17 @@ def pool_config(model: str, split: str) -> RegenConfig:
     """The pool of ``model``'s ``split``; a model or split without one is refused by name."""
     pools = pool_configs()
     if model not in pools:
-        raise ValueError(f"no regenerated-text pool for model {model!r} in {POOLS_FILE}; "
+        raise ValueError(f"no regenerated-text pool for model {model!r} in {pools_file()}; "
                          f"pools exist for {sorted(pools)}")
     if split not in pools[model]:
-        raise ValueError(f"no {split!r} pool for {model!r} in {POOLS_FILE}; it has "
+        raise ValueError(f"no {split!r} pool for {model!r} in {pools_file()}; it has "
                          f"{sorted(pools[model])}")
     return pools[model][split]
 
 
 def pinned_dir() -> Path:
-    return repo_root() / PINNED_DIR
+    """Where pools are pinned: ``$ACTWAVE_PINNED``, else ``results/regenerated``."""
+    return Path(os.environ.get("ACTWAVE_PINNED") or repo_root() / PINNED_DIR)
 
 
 def pool(model: str, split: str, target=None, tokenizer=None, progress: bool = True) -> Dataset:
