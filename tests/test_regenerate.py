@@ -223,3 +223,13 @@ def test_stale_cache_and_missing_tokenizer_are_refused(tiny_target, tokenizer):
 def test_bad_config_values_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         _config(**bad)
+
+
+def test_a_reply_with_unicode_line_separators_round_trips(tmp_path):
+    """JSON strings keep U+2028, U+0085 and friends unescaped (ensure_ascii=False); a reader
+    that split at them (``str.splitlines``) cut a record in two. One line per record."""
+    records = [{"id": "a", "messages": [{"role": "assistant", "content": "x\u2028y\u0085z\x0c"}]},
+               {"id": "b", "messages": []}]
+    path = tmp_path / "chunk-00000.jsonl"
+    record = regen._write_chunk(path, records)
+    assert regen._read_chunk(path, record, 2) == records

@@ -383,6 +383,19 @@ class WriterLock:
         self._fd = None
 
 
+# ----------------------------------------------------------------------------- JSON lines
+def dump_json_lines(records) -> bytes:
+    """One compact, key-sorted JSON object per line, UTF-8, newline-terminated."""
+    return "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in records).encode()
+
+
+def parse_json_lines(data: bytes) -> list:
+    """The objects of ``dump_json_lines`` output. Split on "\n" only: ``str.splitlines``
+    also breaks at U+2028, U+0085 and other separators that JSON strings hold unescaped
+    (with ``ensure_ascii=False``), which cut a record in two."""
+    return [json.loads(line) for line in data.decode("utf-8").split("\n") if line]
+
+
 # ----------------------------------------------------------------------------- records
 # JSON records (manifests, config.json of drafts and statistics, evaluation manifests) carry
 # the sha256 of their own canonical JSON under this field, checked on every read.

@@ -53,17 +53,16 @@ def pinned_conversations(folder, verified: bool = True) -> tuple[dict, list[dict
     """(manifest, conversations) of a pinned regeneration folder, chunks verified against
     their sha256; ``verified=False`` reads pins made before chunks had checksums (the 1×
     study's) as they are."""
-    import json
-
     from actwave.capture.regenerate import _dataset, _load_manifest  # one reader of chunks
+    from actwave.integrity import parse_json_lines
     folder = Path(folder)
     manifest = _load_manifest(folder / "manifest.json")
     if manifest is None:
         raise FileNotFoundError(f"{folder} holds no manifest.json: not a regeneration folder")
     if verified:
         return manifest, _dataset(folder, manifest).to_list()
-    return manifest, [json.loads(line) for chunk in manifest["chunks"]
-                      for line in (folder / chunk["file"]).read_text().splitlines() if line]
+    return manifest, [row for chunk in manifest["chunks"]
+                      for row in parse_json_lines((folder / chunk["file"]).read_bytes())]
 
 
 def main(argv: list[str] | None = None) -> None:

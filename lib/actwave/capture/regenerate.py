@@ -40,7 +40,8 @@ from actwave.capture.models import DTYPES, load, model_digest, slug, stop_token_
 from actwave.config import (artifact_dir, atomic_write_bytes, atomic_write_json, config_hash,
                             package_versions, save_config, to_jsonable)
 from actwave.integrity import (Between, IntegrityError, WriterLock, bytes_record, check_fields,
-                               fingerprint_mismatch, model_fingerprint, read_json, verify_once)
+                               dump_json_lines, fingerprint_mismatch, model_fingerprint,
+                               parse_json_lines, read_json, verify_once)
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +226,7 @@ def regenerate_chunk(model, tokenizer, rows: Sequence[dict], config: RegenConfig
 # ----------------------------------------------------------------------------- cache
 def _write_chunk(path: Path, records: list[dict]) -> dict:
     """Write a chunk atomically -> its ``{"bytes", "sha256"}`` record."""
-    lines = [json.dumps(r, sort_keys=True, ensure_ascii=False) for r in records]
-    data = ("\n".join(lines) + "\n").encode()
+    data = dump_json_lines(records)
     atomic_write_bytes(path, data)
     return bytes_record(data)
 
@@ -246,7 +246,7 @@ def _read_chunk(path: Path, record: dict, expected: int) -> list[dict]:
                              "checksums)", repair)
     verify_once(path, record, repair)
     try:
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+        rows = parse_json_lines(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise IntegrityError(path, "content", "JSON lines", str(err), repair) from err
     if len(rows) != expected:

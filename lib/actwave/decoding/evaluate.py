@@ -47,6 +47,7 @@ from actwave.decoding.timing import synchronize
 from actwave.decoding.tree import MODES, TreeShape
 from actwave.eagle3 import Eagle3Draft
 from actwave.integrity import (Between, IntegrityError, WriterLock, bytes_record, check_fields,
+                               dump_json_lines, parse_json_lines,
                                model_identity, read_record, require_int, require_real, verify_once,
                                write_record)
 
@@ -361,7 +362,7 @@ class EvalRun:
             raise IntegrityError(path, "manifest record", "a sha256", "none", repair)
         verify_once(path, entry, repair)
         try:
-            records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+            records = parse_json_lines(path.read_bytes())
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise IntegrityError(path, "content", "JSON lines", str(err), repair) from err
         if len(records) != entry.get("n_records"):
@@ -395,8 +396,7 @@ class EvalRun:
     def add(self, index: int, records: list[dict]) -> None:
         """Write one prompt's records, then the manifest naming them."""
         name = prompt_file(index)
-        lines = [json.dumps(r, sort_keys=True, ensure_ascii=False) for r in records]
-        data = ("\n".join(lines) + "\n").encode()
+        data = dump_json_lines(records)
         atomic_write_bytes(self.folder / name, data)
         benchmark, prompt_id = self.expected[index]
         self.manifest["prompts"] = [e for e in self.manifest["prompts"] if e["file"] != name]
