@@ -509,3 +509,17 @@ def describe_model(identity: dict | None) -> str:
     name = identity.get("name") or f"an unnamed {identity.get('class', 'model')}"
     return (f"{name!s} (weights {identity.get('weights_sha256')}, {identity.get('dtype')}, "
             f"files {identity.get('digest') or 'none'})")
+
+
+def require_model(recorded: dict | None, target: torch.nn.Module, made: str, passed: str,
+                  missing: str, remedy: str) -> None:
+    """Refuse ``target`` unless it is the model ``recorded`` (a ``model_identity``), naming
+    both: "``made`` <recorded>``passed`` <found> (differences); ``remedy``"; ``missing`` is
+    the message when nothing is recorded."""
+    if not recorded:
+        raise ValueError(missing)
+    found = model_identity(target)
+    problems = identity_mismatch(recorded, found)
+    if problems:
+        raise ValueError(f"{made} {describe_model(recorded)}{passed} {describe_model(found)} "
+                         f"({'; '.join(problems)}); {remedy}")

@@ -49,9 +49,9 @@ from actwave.config import atomic_write_bytes
 from actwave.eagle3.config import Eagle3Config, check_target_config, config_from_target
 from actwave.eagle3.layers import Eagle3DecoderLayer, RMSNorm, RotaryEmbedding
 from actwave.eagle3.vocab import build_draft_vocab, draft_target_ids
-from actwave.integrity import (IntegrityError, bytes_record, describe_model, identity_mismatch,
-                               model_identity, read_record, require_finite_tensors,
-                               save_config_record, verify_file)
+from actwave.integrity import (IntegrityError, bytes_record, model_identity, read_record,
+                               require_finite_tensors, require_model, save_config_record,
+                               verify_file)
 
 CHECKPOINT_FORMAT = "actwave-eagle3-v1"
 WEIGHTS_NAME = "model.safetensors"
@@ -280,15 +280,11 @@ class Eagle3Draft(nn.Module):
 def check_draft_target(draft: Path | str, recorded: dict | None, target: nn.Module) -> None:
     """Refuse ``target`` for a draft whose saved record names another target (ValueError
     naming both), or a record that names none."""
-    if not recorded:
-        raise ValueError(f"draft {draft} records no target model (saved before drafts recorded "
-                         "their target); retrain it")
-    found = model_identity(target)
-    problems = identity_mismatch(recorded, found)
-    if problems:
-        raise ValueError(f"draft {draft} was trained for target {describe_model(recorded)}, not "
-                         f"for the target passed, {describe_model(found)} ({'; '.join(problems)});"
-                         " pass the target it was trained for, or train a draft for this one")
+    require_model(recorded, target, f"draft {draft} was trained for target",
+                  ", not for the target passed,",
+                  f"draft {draft} records no target model (saved before drafts recorded their "
+                  "target); retrain it",
+                  "pass the target it was trained for, or train a draft for this one")
 
 
 def save_tensors(path, tensors: dict[str, torch.Tensor]) -> dict:

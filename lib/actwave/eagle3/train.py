@@ -46,9 +46,8 @@ from actwave.eagle3.model import Eagle3Draft
 from actwave.eagle3.ttt import TTTLoss, TTTOutput
 from actwave.eagle3.vocab import draft_target_ids, token_frequencies
 from actwave.integrity import (Between, IntegrityError, WriterLock, bytes_record, check_fields,
-                               describe_model, identity_mismatch, int_ids, model_identity,
-                               read_json, read_record, require_finite_tensors,
-                               save_config_record, verify_file)
+                               int_ids, read_json, read_record, require_finite_tensors,
+                               require_model, save_config_record, verify_file)
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -440,17 +439,11 @@ def check_store_target(store, target, role: str = "training") -> None:
     """Refuse a ``target`` other than the model that made the capture ``store`` (its
     manifest's model identity), naming both: the draft's soft labels and embedding come
     from ``target``, its inputs from the store."""
-    recorded = store.manifest.get("model")
-    if not recorded:
-        raise ValueError(f"capture store {store.path} records no model; recapture it "
-                         "(actwave.capture.store.run_capture)")
-    found = model_identity(target)
-    problems = identity_mismatch(recorded, found)
-    if problems:
-        raise ValueError(f"{role} store {store.path} was captured with target "
-                         f"{describe_model(recorded)}, but the target passed is "
-                         f"{describe_model(found)} ({'; '.join(problems)}); pass the target "
-                         "that made the store, or capture one with this target")
+    require_model(store.manifest.get("model"), target,
+                  f"{role} store {store.path} was captured with target", ", but the target "
+                  "passed is", f"capture store {store.path} records no model; recapture it "
+                  "(actwave.capture.store.run_capture)",
+                  "pass the target that made the store, or capture one with this target")
 
 
 def _one_writer(train):
