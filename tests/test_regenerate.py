@@ -71,17 +71,24 @@ def test_user_turns_group_non_assistant_messages():
         [["s", "a"], ["b", "c"], ["d"]]
 
 
-def test_interrupted_run_resumes_to_identical_output(tiny_target, tokenizer, monkeypatch):
-    reference = regen.regenerate(_fresh(_config(seed=201)), tiny_target, tokenizer, progress=False)
-    config = _fresh(_config(seed=202))  # seed is provenance only: same text, own cache folder
+def _interrupt_write(monkeypatch, at: int) -> list[str]:
+    """Make the ``at``-th chunk write raise KeyboardInterrupt (a killed run); -> the names of
+    every chunk write attempted, in order."""
     real_write, calls = regen._write_chunk, []
 
     def failing_write(path, records):
         calls.append(path.name)
-        if len(calls) == 2:
+        if len(calls) == at:
             raise KeyboardInterrupt("simulated interruption")
         return real_write(path, records)
     monkeypatch.setattr(regen, "_write_chunk", failing_write)
+    return calls
+
+
+def test_interrupted_run_resumes_to_identical_output(tiny_target, tokenizer, monkeypatch):
+    reference = regen.regenerate(_fresh(_config(seed=201)), tiny_target, tokenizer, progress=False)
+    config = _fresh(_config(seed=202))  # seed is provenance only: same text, own cache folder
+    calls = _interrupt_write(monkeypatch, at=2)
     with pytest.raises(KeyboardInterrupt):
         regen.regenerate(config, tiny_target, tokenizer, progress=False)
     manifest = json.loads((regen.output_dir(config) / "manifest.json").read_text())
@@ -136,14 +143,7 @@ def test_pinned_text_of_another_config_is_refused(tiny_target, tokenizer, tmp_pa
 def test_partial_pin_resumes_on_another_machine(tiny_target, tokenizer, monkeypatch, tmp_path):
     reference = regen.regenerate(_fresh(_config(seed=207)), tiny_target, tokenizer, progress=False)
     config = _fresh(_config(seed=208))
-    real_write, calls = regen._write_chunk, []
-
-    def failing_write(path, records):
-        calls.append(path.name)
-        if len(calls) == 3:
-            raise KeyboardInterrupt("session ended")
-        return real_write(path, records)
-    monkeypatch.setattr(regen, "_write_chunk", failing_write)
+    calls = _interrupt_write(monkeypatch, at=3)
     with pytest.raises(KeyboardInterrupt):
         regen.regenerate(config, tiny_target, tokenizer, progress=False, pinned_dir=tmp_path)
     pinned = tmp_path / regen.output_dir(config).name

@@ -263,16 +263,3 @@ def held_out_acceptance(target, draft, texts: list[tuple[torch.Tensor, int]], de
     if roots == 0:
         raise ValueError(f"no round roots in {len(texts)} held-out replies: need replies of >= 2 tokens")
     return {k: (values / roots).tolist() for k, values in reached.items()}
-
-
-def shared_shape(target, tokenizer, drafts: dict, eos_token_ids=(), n_prompts: int = 4,
-                 skip: int = 0) -> TreeShape:
-    """One auto tree for several drafts of ``target`` (a fair comparison of layer sets):
-    their mean held-out acceptance on ``n_prompts`` ShareGPT eval first turns after the
-    first ``skip``, and this machine's cost curve."""
-    device = target.get_input_embeddings().weight.device
-    prompts = [p.to(device) for p in held_out_prompts(tokenizer, n_prompts, skip)]
-    texts = greedy_texts(target, prompts, eos_token_ids=eos_token_ids)
-    reaches = [held_out_acceptance(target, draft, texts) for draft in drafts.values()]
-    mean = {k: torch.tensor([r[k] for r in reaches]).mean(0).tolist() for k in reaches[0]}
-    return auto_shape(target, next(iter(drafts.values())), mean)
