@@ -3,20 +3,23 @@
 The study's 1× drafts get 64 steps on 128 conversations, and their learning curves are still
 rising there; a draft that is meant to *pay* in decoding gets the larger budget this script
 spends, on the EAGLE-3 recipe: ShareGPT ``train``-split prompts whose replies the target
-regenerated greedily (on-policy text), trained online (the target runs inside the training
-loop, so no multi-GB hidden-state store is written; ``actwave.eagle3.online``). The text is
-the model's pool (``profiles/data/pools.yaml``, shared with the study's long runs): more
-fresh conversations rather than more epochs over few.
+regenerated greedily (on-policy text), trained on the target's features computed once
+(``actwave.eagle3.features``: the draft's layers and the target's argmax; the folder the
+study's long runs compute holds them, and is reused when present). The text is the model's
+pool (``profiles/data/pools.yaml``, shared with the long runs): more fresh conversations
+rather than more epochs over few.
 
 Steps, each resumable (re-running the same command continues where it stopped):
 1. regenerate the train and eval pools, or restore them from ``results/regenerated/`` (each
    chunk pinned there as it is written, so another machine regenerates only what is missing);
-2. train the draft into ``cache_dir()/bench-drafts/<hash>/`` (checkpoints every
+2. compute the target's features of both pools (``cache_dir()/features/<model>``), unless a
+   folder with these layers is there;
+3. train the draft into ``cache_dir()/bench-drafts/<hash>/`` (checkpoints every
    ``--checkpoint-every`` steps) on the first ``--conversations`` of the train pool;
-3. measure the draft's per-TTT-step top-1 agreement with the target on
+4. measure the draft's per-TTT-step top-1 agreement with the target on
    ``--eval-conversations`` training sequences and as many held-out eval-pool ones:
    overfitting shows as a gap;
-4. write ``results/benchmarks/draft.json``: the configs, the folder (relative to the
+5. write ``results/benchmarks/draft.json``: the configs, the folder (relative to the
    cache), the agreement, and the cost: regeneration seconds and tokens, training seconds
    and tokens.
 
@@ -36,10 +39,11 @@ from pathlib import Path
 from actwave.capture import models, pools, regenerate
 from actwave.config import (atomic_write_json, cache_dir, config_hash, package_versions,
                             repo_root)
-from actwave.eagle3.online import OnlineSource, evaluate_online, train_online
-from actwave.eagle3.train import TrainConfig
+from actwave.eagle3.features import TargetFeatures, features_root, train_from_features
+from actwave.eagle3.online import OnlineSource
+from actwave.eagle3.train import TrainConfig, TrainData, evaluate_data
 from actwave.stats.selection import eagle3_default
-from actwave.study.longrun import text_sources
+from actwave.study.longrun import LongRunConfig, features, text_sources
 
 OUT = repo_root() / "results/benchmarks"
 
@@ -60,7 +64,7 @@ class DraftBudget:
     draft_vocab_size: int = 16384
     checkpoint_every: int = 100
     seed: int = 0
-    eval_conversations: int = 48   # held-out eval-pool conversations (+ as many train ones)
+    eval_conversations: int = 400  # held-out eval-pool conversations (+ as many train ones)
 
     def train(self, num_layers: int) -> TrainConfig:
         layer_ids = (tuple(int(x) for x in self.layers.split(",")) if self.layers.strip()
@@ -91,17 +95,21 @@ def pool_sources(budget: DraftBudget, target, tokenizer) -> dict[str, OnlineSour
                         budget.eval_conversations)
 
 
-def fit_and_held_out(budget: DraftBudget, sources: dict[str, OnlineSource], draft, target) -> dict:
-    """Per-TTT-step top-1 agreement (``evaluate_online``) on the first
-    ``eval_conversations`` training sequences and on as many held-out eval-pool ones: a gap
-    between the two is overfitting; held-out agreement far above the decoding acceptance
-    would be a train/serve mismatch."""
-    n = min(budget.eval_conversations, len(sources["train"]))
-    train = sources["train"]
-    seen = OnlineSource(train.input_ids[:n], train.loss_mask[:n], train.config_hash, train.path)
-    return {name: evaluate_online(draft, data.truncated(budget.max_seq_len), target,
-                                  ttt_steps=budget.ttt_steps)
-            for name, data in (("train", seen), ("held_out", sources["eval"]))}
+def _first(data: TrainData, n: int) -> TrainData:
+    return TrainData(*(getattr(data, name)[:n] for name in TrainData.__dataclass_fields__))
+
+
+def fit_and_held_out(budget: DraftBudget, train: TargetFeatures, held_out: TargetFeatures,
+                     draft, target) -> dict:
+    """Per-TTT-step top-1 agreement (``evaluate_data``) on the first ``eval_conversations``
+    training sequences and on as many held-out eval-pool ones: a gap between the two is
+    overfitting; held-out agreement far above the decoding acceptance would be a train/serve
+    mismatch."""
+    layers = draft.layer_ids
+    n = min(budget.eval_conversations, len(train))
+    return {name: evaluate_data(draft, data, target, ttt_steps=budget.ttt_steps)
+            for name, data in (("train", _first(train.train_data(layers, budget.max_seq_len), n)),
+                               ("held_out", held_out.train_data(layers, budget.max_seq_len)))}
 
 
 def regeneration_cost(model: str) -> dict:
@@ -125,15 +133,19 @@ def main(argv: list[str] | None = None) -> Path:
     target, tokenizer = models.load(budget.model)
     sources = pool_sources(budget, target, tokenizer)
     train = budget.train(models.num_layers(target))
+    train_features, eval_features = features(LongRunConfig(model=budget.model), target,
+                                             sources["train"], sources["eval"], train.layer_ids,
+                                             features_root(budget.model))
     draft_dir = cache_dir() / "bench-drafts" / config_hash({"train": asdict(train),
-                                                             "data": sources["train"].config_hash})
-    result = train_online(sources["train"], target, train, draft_dir)
-    agreement = fit_and_held_out(budget, sources, result.draft, target)
+                                                             "data": train_features.digest})
+    result = train_from_features(train_features, target, train, draft_dir)
+    agreement = fit_and_held_out(budget, train_features, eval_features, result.draft, target)
     atomic_write_json(out / "draft.json", {
         "agreement": agreement,
         "draft": str((draft_dir / "draft").relative_to(cache_dir())), "budget": asdict(budget),
         "train_config": asdict(train), "sequences": len(sources["train"]),
         "sequence_tokens": sources["train"].n_tokens, **regeneration_cost(budget.model),
+        "features": {"train": train_features.digest, "eval": eval_features.digest},
         **training_cost(draft_dir), "versions": package_versions()})
     return draft_dir
 

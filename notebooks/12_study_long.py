@@ -78,7 +78,7 @@ for name in model_names:
     print(name, [s.label for s in sets], f"done {len(status['done'])}/{len(jobs)}",
           f"about {status['remaining_seconds'] / 3600:.1f} h left")
     if longrun_max_jobs != 0 and status["missing"]:
-        run = longrun.prepare(name, config, longrun_train_conversations,
+        run = longrun.prepare(name, config, sets, longrun_train_conversations,
                               longrun_eval_conversations, results=folder)
         longrun.run_jobs(jobs, run, None if longrun_max_jobs < 0 else longrun_max_jobs)
         del run

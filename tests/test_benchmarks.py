@@ -81,7 +81,7 @@ def test_speculative_summary_rows_mark_random_drafts_and_report_shapes(monkeypat
 
 def test_bench_draft_trains_on_the_pool_and_resumes_from_the_pin(tmp_path, monkeypatch):
     """train_draft.py on a tiny Llama with its own pools file: replies regenerated and
-    pinned chunk by chunk, the draft trained online into the cache, its cost recorded; with
+    pinned chunk by chunk, the draft trained from cached features into the cache, its cost recorded; with
     the regeneration cache gone, a rerun restores the pinned text and finds the finished
     draft (no step retrained)."""
     import shutil

@@ -47,8 +47,8 @@ def _greedy_source(target, n=5, prompt=4, new=14) -> OnlineSource:
 
 def _run(tmp_path, target, config=None) -> longrun.LongRun:
     train = OnlineSource.from_sequences(random_sequences(8, 0), "online-train", "train")
-    return longrun.LongRun(config or _config(), target, train, _greedy_source(target),
-                           tmp_path / "results", tmp_path / "work")
+    return longrun.open_run(config or _config(), target, train, _greedy_source(target), SETS,
+                            tmp_path / "results", tmp_path / "work", progress=False)
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -154,6 +154,7 @@ def test_records_per_position_acceptance_reproduces_tau_and_walks(tmp_path):
         assert rounds == row["walk_rounds"] and tau == pytest.approx(row["walk_tau"], abs=0)
     assert len(offline["step_acceptance"]) == len(offline["step_agreement"]) == 2
     assert record["data"]["eval"] == "online-eval" and record["schedule"]["branch_start"] == 1
+    assert record["data"]["eval_features"] == run.eval.digest
 
 
 def test_positions_round_trip_and_walk_matches_decode_walk():

@@ -15,12 +15,17 @@ pool, per-TTT-step acceptance and agreement, and the **per-position accepted-cha
 of every held-out root (``encode_positions``): the array ``decode_walk`` walks, so a
 decoding τ on the same greedy text can be checked exactly against it.
 
-Training is online (``eagle3.online.train_online``: the target runs in the loop) on the
-regenerated train pool; the trunk and branches resume from checkpoints at step granularity,
-and a finished record is never redone. Jobs run in ``plan`` order: whole budgets across
-all sets and seeds first, so a partial run always compares every set at the budgets done.
-``status`` says what is done and estimates what is left. Statistics over the records:
-``actwave.study.stats`` (``rank_stability``, ``budget_curves``, ``budget_comparisons``).
+Training reads the target's features computed once per text (``eagle3.features``: the
+states of every layer the planned sets use, and the target's argmax), instead of running
+the target inside every step as online training does (``eagle3.online``; on 2 CPU cores
+the target's forward was 1.5 s of a 1.95 s step). Training features are stored in
+``feature_dtype`` (bf16, as EAGLE-3 stores hidden states), held-out ones in float32 and
+batched as online scoring batches them, so scoring equals online scoring. The trunk and
+branches resume from checkpoints at step granularity, and a finished record is never
+redone. Jobs run in ``plan`` order: whole budgets across all sets and seeds first, so a
+partial run always compares every set at the budgets done. ``status`` says what is done and
+estimates what is left. Statistics over the records: ``actwave.study.stats``
+(``rank_stability``, ``budget_curves``, ``budget_comparisons``).
 
 Launch (one process; resumable, rerun the same command after an interruption):
 
@@ -44,19 +49,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actwave.capture.forward import forward_with_states
 from actwave.config import atomic_write_json, config_hash, package_versions
 from actwave.decoding.acceptance import decode_walk, sequence_acceptance, tau_hat
-from actwave.eagle3.online import OnlineSource, train_online
+from actwave.eagle3.features import (FeatureConfig, TargetFeatures, features_root, open_features,
+                                     train_from_features)
+from actwave.eagle3.online import OnlineSource
 from actwave.eagle3.schedule import WSDSchedule, cost
 from actwave.eagle3.train import DTYPES as TRAIN_DTYPES
-from actwave.eagle3.train import Segment, TrainConfig, _pad
+from actwave.eagle3.train import Segment, TrainConfig, TrainData
 from actwave.integrity import Between, check_fields
 from actwave.study.runs import StudySet
 from actwave.study.stats import PRIMARY, REFERENCE
 
 log = logging.getLogger(__name__)
-RECORD_FORMAT = "actwave-longrun-record-v1"
+RECORD_FORMAT = "actwave-longrun-record-v2"
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,7 @@ class LongRunConfig:
     lr: float = 1e-3
     draft_vocab_size: int = 16384
     train_dtype: str = "float32"
+    feature_dtype: str = "bfloat16"    # stored training inputs (held-out ones: float32)
     checkpoint_every: int = 64
     eval_batch_size: int = 8
 
@@ -84,7 +91,7 @@ class LongRunConfig:
             "draft_vocab_size", "checkpoint_every", "eval_batch_size")} | {
             "warmup_steps": Between(0), "lr": Between(0.0, low_open=True),
             "decay_fraction": Between(0.0, 1.0, low_open=True)},
-            {"train_dtype": TRAIN_DTYPES})
+            {"train_dtype": TRAIN_DTYPES, "feature_dtype": ("bfloat16", "float32")})
 
     @property
     def budgets(self) -> tuple[int, ...]:
@@ -342,38 +349,20 @@ def sequence_walk(roots, accepted, n_reply: int) -> tuple[float, int]:
 
 
 @torch.no_grad()
-def _batch_acceptance(draft, source: OnlineSource, indices: list[int], target, depth: int):
-    """sequence_acceptance of sequences ``indices``, states and argmax from one target forward."""
-    device = next(target.parameters()).device
-    width = max(source.input_ids[i].numel() for i in indices)
-    input_ids = _pad([source.input_ids[i] for i in indices], width).to(device)  # (B, L)
-    valid = _pad([torch.ones_like(source.loss_mask[i]) for i in indices], width).to(device)
-    logits, states, _ = forward_with_states(target, draft.layer_ids, input_ids,
-                                            attention_mask=valid.long())  # (B, L, V), (B, L, k·D)
-    argmax = logits.argmax(-1)  # (B, L)
-    out = []
-    for row, index in enumerate(indices):
-        n = source.input_ids[index].numel()
-        out.append(sequence_acceptance(draft, states[row, :n].float(), input_ids[row, :n],
-                                       argmax[row, :n], source.loss_mask[index], depth=depth))
-    return out
-
-
-def score_online(draft, source: OnlineSource, target, depth: int, batch_size: int = 8) -> dict:
-    """Offline acceptance of ``draft`` on every held-out sequence of ``source`` (the target
-    runs per batch): τ̂, per-step acceptance (Π hits) and agreement (hit at step i), one
-    row per sequence (roots, accepted, n_reply, walk τ) and the per-position arrays."""
+def score(draft, data: TrainData, depth: int) -> dict:
+    """Offline acceptance of ``draft`` on every held-out sequence of ``data`` (the target's
+    stored states and argmax): τ̂, per-step acceptance (Π hits) and agreement (hit at step
+    i), one row per sequence (roots, accepted, n_reply, walk τ) and the per-position arrays."""
     was_training = draft.training
     draft.eval()
-    results = []
-    for first in range(0, len(source), batch_size):
-        indices = list(range(first, min(first + batch_size, len(source))))
-        results += _batch_acceptance(draft, source, indices, target, depth)
+    results = [sequence_acceptance(draft, data.target_states[i].float(), data.input_ids[i],
+                                   data.argmax[i], data.loss_mask[i], depth=depth)
+               for i in range(len(data))]
     draft.train(was_training)
     roots = max(sum(r.n_roots for r in results), 1)
     rows = []
     for index, result in enumerate(results):
-        n_reply = int(source.loss_mask[index].sum())
+        n_reply = int(data.loss_mask[index].sum())
         walk, rounds = sequence_walk(result.roots.tolist(), result.accepted.tolist(), n_reply)
         rows.append({"roots": result.n_roots,
                      "accepted": int(result.accepted.sum()), "n_reply": n_reply,
@@ -388,21 +377,47 @@ def score_online(draft, source: OnlineSource, target, depth: int, batch_size: in
 # ----------------------------------------------------------------------------- running
 @dataclass
 class LongRun:
-    """Everything the jobs of one model share: config, target, pools and folders."""
+    """Everything the jobs of one model share: config, target, features and folders."""
 
     config: LongRunConfig
     target: object
-    train: OnlineSource        # the regenerated train pool (max_seq_len-truncated in training)
-    eval: OnlineSource         # the held-out pool, scored whole
+    train: TargetFeatures      # of the train pool (max_seq_len-truncated text)
+    eval: TargetFeatures       # of the held-out pool, scored whole
     results_dir: Path          # records/ goes here
-    work_dir: Path             # trunks/ and branches/ (checkpoints, drafts): the cache
+    work_dir: Path             # features/, trunks/ and branches/ (checkpoints, drafts): the cache
+
+
+def features(config: LongRunConfig, target, train: OnlineSource, eval_: OnlineSource,
+             layers, root: Path, progress: bool = True) -> tuple[TargetFeatures, TargetFeatures]:
+    """The target's features of the train and held-out text for ``layers`` under ``root``
+    (computed, resumed, or found in a folder holding more layers): training inputs in
+    ``config.feature_dtype``, held-out ones in float32, both batched as online scoring
+    (``eval_batch_size``) so scores equal it. The benchmark draft reads the same folders."""
+    train_features = open_features(train, target, FeatureConfig(
+        tuple(layers), config.feature_dtype, config.eval_batch_size), root, progress)
+    eval_features = open_features(eval_, target, FeatureConfig(
+        tuple(layers), "float32", config.eval_batch_size), root, progress)
+    return train_features, eval_features
+
+
+def open_run(config: LongRunConfig, target, train: OnlineSource, eval_: OnlineSource,
+             sets: list[StudySet], results_dir: Path, work_dir: Path,
+             features_root: Path | None = None, progress: bool = True) -> LongRun:
+    """The ``LongRun`` of ``sets``, with the target's features of both texts for every layer
+    the sets use (``features``; under ``features_root``, default ``work_dir/features``)."""
+    layers = sorted({i for s in sets for i in s.layer_ids})
+    root = Path(features_root or Path(work_dir) / "features")
+    train_features, eval_features = features(config, target, train, eval_, layers, root,
+                                             progress)
+    return LongRun(config, target, train_features, eval_features, Path(results_dir),
+                   Path(work_dir))
 
 
 def trunk_key(run: LongRun, job: Job) -> str:
-    """What a (set, seed)'s trunk, and so each of its records, depends on."""
+    """What a (set, seed)'s trunk, and so each of its records, depends on (the features'
+    values, not which other layers they also hold)."""
     return config_hash({"config": asdict(run.config), "layer_ids": job.layer_ids,
-                        "seed": job.seed, "train": run.train.config_hash,
-                        "eval": run.eval.config_hash})
+                        "seed": job.seed, "train": run.train.digest, "eval": run.eval.digest})
 
 
 def _trunk_dir(run: LongRun, job: Job) -> Path:
@@ -433,8 +448,8 @@ def branch_point(run: LongRun, job: Job, progress: bool = False) -> Path:
     if point.is_dir():
         return point
     config = run.config.train_config(job.layer_ids, job.seed, max(schedule.budgets))
-    train_online(run.train, run.target, config, trunk, progress,
-                 segment=Segment(schedule.trunk(), stop_at=start))
+    train_from_features(run.train, run.target, config, trunk, progress,
+                        segment=Segment(schedule.trunk(), stop_at=start))
     tmp = point.with_name(f".tmp-{point.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(trunk / "checkpoints" / point.name, tmp)
@@ -469,11 +484,10 @@ def run_job(job: Job, run: LongRun, progress: bool = False) -> dict:
     branch = _branch_dir(run, job)
     point = None if _branch_started(branch) else branch_point(run, job, progress)
     config = run.config.train_config(job.layer_ids, job.seed, job.budget)
-    result = train_online(run.train, run.target, config, branch, progress,
-                          segment=Segment(schedule.branch(job.budget), init_from=point))
+    result = train_from_features(run.train, run.target, config, branch, progress,
+                                 segment=Segment(schedule.branch(job.budget), init_from=point))
     tic = time.perf_counter()
-    offline = score_online(result.draft, run.eval, run.target, run.config.ttt_steps,
-                           run.config.eval_batch_size)
+    offline = score(result.draft, run.eval.train_data(job.layer_ids), run.config.ttt_steps)
     start = schedule.branch_start(job.budget)
     seconds = result.history[-1]["seconds"]
     record = {"format": RECORD_FORMAT, "key": key, "model": run.config.model,
@@ -482,8 +496,9 @@ def run_job(job: Job, run: LongRun, progress: bool = False) -> dict:
               "schedule": {"kind": "wsd", "warmup_steps": schedule.warmup_steps,
                            "branch_start": start, "decay_steps": schedule.decay_steps(job.budget),
                            "trunk_steps": schedule.trunk_steps},
-              "data": {"train": run.train.config_hash, "train_path": run.train.path,
-                       "eval": run.eval.config_hash, "eval_path": run.eval.path},
+              "data": {"train": run.train.source.digest, "train_path": run.train.source.path,
+                       "eval": run.eval.source.digest, "eval_path": run.eval.source.path,
+                       "train_features": run.train.digest, "eval_features": run.eval.digest},
               "training": {"steps": len(result.history), "seconds": seconds,
                            "trunk_seconds": result.history[start - 1]["seconds"],
                            "tokens": int(sum(row["tokens"] for row in result.history)),
@@ -541,9 +556,11 @@ def study_sets(model: str, labels=None, seeds: int = 3,
     return key_sets(read_sets(table), one_x_tau(load_one_x(folder / slug(model))), seeds)
 
 
-def prepare(model: str, config: LongRunConfig, n_train: int = 3200, n_eval: int = 400,
-            target_dtype: str = "float32", results: Path | None = None) -> LongRun:
-    """Load the target and the text (pools, else ShareGPT) of one model's long runs."""
+def prepare(model: str, config: LongRunConfig, sets: list[StudySet], n_train: int = 3200,
+            n_eval: int = 400, target_dtype: str = "float32", results: Path | None = None,
+            progress: bool = True) -> LongRun:
+    """Load the target and the text (pools, else ShareGPT) of one model's long runs and
+    compute (or find) the target's features for ``sets`` (``open_run``)."""
     from accelerate import Accelerator
 
     from actwave.capture.models import DTYPES, load, slug
@@ -551,8 +568,9 @@ def prepare(model: str, config: LongRunConfig, n_train: int = 3200, n_eval: int 
 
     target, tokenizer = load(model, dtype=DTYPES[target_dtype], device=Accelerator().device)
     sources = text_sources(model, tokenizer, config.max_seq_len, n_train, n_eval)
-    return LongRun(config, target, sources["train"], sources["eval"],
-                   Path(results or results_folder(model)), cache_dir() / "longrun" / slug(model))
+    return open_run(config, target, sources["train"], sources["eval"], sets,
+                    Path(results or results_folder(model)), cache_dir() / "longrun" / slug(model),
+                    features_root(model), progress)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -590,7 +608,7 @@ def main(argv: list[str] | None = None) -> None:
           f" s/step; next {report['missing'][:1]}")
     if args.status:
         return
-    run = prepare(args.model, config, args.train_conversations, args.eval_conversations,
+    run = prepare(args.model, config, sets, args.train_conversations, args.eval_conversations,
                   args.target_dtype, results)
     run_jobs(jobs, run, args.max_jobs)
 
