@@ -1,11 +1,13 @@
 """Offline acceptance: on the target's own greedy text, the decoding walk over per-root
 acceptance gives exactly the τ (and rounds) that chain speculative decoding measures."""
+import pandas as pd
 import pytest
 import torch
 
 from actwave.capture.forward import hidden_states
 from actwave.decoding.acceptance import (decode_walk, leading_hits, root_mask, sequence_acceptance,
-                                         tau_hat)
+                                         tau_hat, walk_check)
+from actwave.decoding.evaluate import EvalConfig, build_methods, run_item
 from actwave.decoding.speculative import generate, greedy_generate
 from actwave.decoding.tree import TreeShape
 from actwave.eagle3 import Eagle3Draft
@@ -124,3 +126,34 @@ def test_bad_input_is_refused(greedy_case):
         sequence_acceptance(draft, states, sequence, argmax, reply, depth=0)
     with pytest.raises(ValueError, match=">= 3 tokens"):
         sequence_acceptance(draft, states[:2], sequence[:2], argmax[:2], reply[:2], depth=2)
+
+
+class _PromptTokenizer:
+    """Every conversation tokenises to one fixed prompt (the greedy case's)."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        return {"input_ids": list(self.ids)}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_walk_check_equals_chain_decoding_on_the_decoded_records(greedy_case):
+    target, prompt, sequence, draft = greedy_case
+    config = EvalConfig(mode="chain", depth=3, max_new_tokens=sequence.numel() - prompt.shape[1],
+                        peers=False)
+    methods = build_methods(target, {"fitted": draft}, config, eos=[])
+    item = {"benchmark": "sharegpt", "prompt_id": "p0", "turns": ["hello"]}
+    records = pd.DataFrame(run_item(item, _PromptTokenizer(prompt[0].tolist()), methods, config,
+                                    torch.device("cpu")))
+    table = walk_check(target, {"fitted": draft}, records, depth=3)
+    assert table["equal"].tolist() == [True] and table["decoding_tau"].iloc[0] > 1.3
+    broken = records.copy()
+    broken.at[1, "accept_counts"] = [c + 1 for c in broken.at[1, "accept_counts"]]
+    assert walk_check(target, {"fitted": draft}, broken, depth=3)["equal"].tolist() == [False]
+    broken.at[0, "prompt_ids"] = None
+    with pytest.raises(ValueError, match="holds no prompt_ids"):
+        walk_check(target, {"fitted": draft}, broken, depth=3)

@@ -155,6 +155,12 @@ def test_records_per_position_acceptance_reproduces_tau_and_walks(tmp_path):
     assert len(offline["step_acceptance"]) == len(offline["step_agreement"]) == 2
     assert record["data"]["eval"] == "online-eval" and record["schedule"]["branch_start"] == 1
     assert record["data"]["eval_features"] == run.eval.digest
+    draft = longrun.branch_draft(record, target, run.work_dir)  # what item 5 decodes
+    assert draft.fingerprint() == record["draft_fingerprint"]
+    with pytest.raises(ValueError, match="the record scored"):
+        longrun.branch_draft({**record, "draft_fingerprint": "0" * 16}, target, run.work_dir)
+    with pytest.raises(FileNotFoundError, match="no draft of record"):
+        longrun.branch_draft(record, target, tmp_path / "elsewhere")
 
 
 def test_positions_round_trip_and_walk_matches_decode_walk():

@@ -26,6 +26,7 @@ Two estimators of τ (see docs/METHODS.md, "Offline acceptance"):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -149,3 +150,49 @@ def decode_walk(accepted_at: dict[int, int], first: int, n_new: int) -> tuple[fl
         step = accepted_at[root] + 1
         emitted, root, rounds = emitted + step, root + step, rounds + 1
     return (n_new - 1) / rounds, rounds
+
+
+@torch.no_grad()
+def text_walk(target, draft, prompt_ids: list[int], reply_ids: list[int],
+              depth: int) -> tuple[float, int]:
+    """The offline decoding walk (τ, rounds) of ``draft`` over ``reply_ids`` generated after
+    ``prompt_ids``: one target forward over the text, ``sequence_acceptance`` from the
+    reply's first token on, ``decode_walk``. On the target's greedy reply it is the τ chain
+    decoding of depth ``depth`` reports."""
+    from actwave.capture.forward import forward_with_states
+
+    device = draft.fc.weight.device
+    sequence = torch.tensor(list(prompt_ids) + list(reply_ids), device=device)  # (T,)
+    logits, states, _ = forward_with_states(target, draft.layer_ids, sequence[None])
+    in_reply = torch.arange(sequence.numel(), device=device) >= len(prompt_ids)
+    result = sequence_acceptance(draft, states[0], sequence, logits[0].argmax(-1), in_reply,
+                                 depth)
+    return decode_walk(dict(zip(result.roots.tolist(), result.accepted.tolist())),
+                       len(prompt_ids), len(reply_ids))
+
+
+def walk_check(target, drafts: dict, records, depth: int):
+    """Per chain-decoding record of each draft in ``drafts`` ({label: Eagle3Draft}): the
+    decoded τ and rounds beside the offline walk over the same greedy text (``text_walk``;
+    the prompt from our greedy record of the same prompt and turn) and whether they are
+    equal. records: ``evaluate``'s records table -> DataFrame, one row per record."""
+    import pandas as pd
+
+    key = ["benchmark", "prompt_id", "turn"]
+    greedy = records[records["method"] == "greedy"].set_index(key)
+    rows = []
+    for record in records[records["method"].isin(list(drafts))].itertuples(index=False):
+        reference = greedy.loc[tuple(getattr(record, k) for k in key)]
+        if reference["prompt_ids"] is None:
+            raise ValueError(f"the greedy record of {record.benchmark} {record.prompt_id} "
+                             "holds no prompt_ids (a run made before they were stored); rerun it")
+        tau, rounds = text_walk(target, drafts[record.method], reference["prompt_ids"],
+                                record.tokens, depth)
+        decoded_rounds = sum(record.accept_counts)
+        rows.append({"label": record.method, "benchmark": record.benchmark,
+                     "prompt_id": record.prompt_id, "turn": record.turn,
+                     "n_tokens": record.n_tokens, "decoding_tau": record.tau,
+                     "decoding_rounds": decoded_rounds, "walk_tau": tau, "walk_rounds": rounds,
+                     "equal": rounds == decoded_rounds and (tau == record.tau or (
+                         math.isnan(tau) and math.isnan(record.tau)))})
+    return pd.DataFrame(rows)

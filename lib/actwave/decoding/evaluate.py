@@ -169,12 +169,16 @@ def _timed(method: Method, input_ids: torch.Tensor) -> dict:
     return {**out, "seconds": time.perf_counter() - began}
 
 
-def _record(item: dict, turn: int, method: str, n_prompt: int, out: dict, reference: list[int]) -> dict:
+def _record(item: dict, turn: int, method: str, prompt: list[int], out: dict,
+            reference: list[int]) -> dict:
+    """One method's output on one prompt; ``prompt_ids`` on our greedy record only (the
+    text an offline walk re-scores: ``acceptance.walk_check``)."""
     tokens = out["tokens"]
     prefix = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b),
                   min(len(tokens), len(reference)))
     return {"benchmark": item["benchmark"], "prompt_id": item["prompt_id"], "turn": turn,
-            "method": method, "prompt_tokens": n_prompt, "n_tokens": len(tokens),
+            "method": method, "prompt_tokens": len(prompt),
+            "prompt_ids": prompt if method == GREEDY else None, "n_tokens": len(tokens),
             "seconds": out["seconds"], "exact_match": tokens == reference,
             "match_prefix": prefix, "tau": out.get("tau"), "accept_counts": out.get("accept_counts"),
             "target_forwards": out.get("target_forwards"), "draft_forwards": out.get("draft_forwards"),
@@ -196,7 +200,7 @@ def run_item(item: dict, tokenizer, methods: dict[str, Method], config: EvalConf
         input_ids = torch.tensor([ids], device=device)
         outputs = {name: _timed(method, input_ids) for name, method in methods.items()}
         reference = outputs[GREEDY]["tokens"]
-        records += [_record(item, turn, name, len(ids), out, reference) for name, out in outputs.items()]
+        records += [_record(item, turn, name, ids, out, reference) for name, out in outputs.items()]
         messages.append({"role": "assistant",
                          "content": tokenizer.decode(reference, skip_special_tokens=True)})
     return records
@@ -227,7 +231,7 @@ def evaluate(target, tokenizer, drafts: dict, config: EvalConfig, eos_token_ids:
     identity = {"config": config, "methods": list(methods),
                 "layer_ids": {label: list(d.layer_ids) for label, d in drafts.items()},
                 "weights": {label: d.fingerprint() for label, d in drafts.items()},
-                "target": target_identity}
+                "target": target_identity, "format": RUN_FORMAT}
     items = [item for benchmark in config.benchmarks
              for item in benchmark_prompts(benchmark, config.n_prompts)]
     if out_dir is None:
@@ -269,7 +273,7 @@ def _skipped(item: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- records
-RUN_FORMAT = "actwave-eval-run-v2"
+RUN_FORMAT = "actwave-eval-run-v3"  # v3: prompt_ids on greedy records
 MANIFEST = "manifest.json"
 
 

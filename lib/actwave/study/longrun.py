@@ -512,6 +512,24 @@ def run_job(job: Job, run: LongRun, progress: bool = False) -> dict:
     return load_record(path)
 
 
+def branch_draft(record: dict, target, work_dir: Path):
+    """The draft a record scored, from the cache (``work_dir/branches``), refused unless its
+    weights are the record's (``draft_fingerprint``); FileNotFoundError when this machine
+    does not hold it (rerun the job after deleting the record to retrain it)."""
+    from actwave.eagle3 import Eagle3Draft
+
+    name = f"{record['label']}-s{record['seed']}-b{record['budget']}"
+    folder = Path(work_dir) / "branches" / f"{name}-{record['key']}"
+    if not (folder / "draft" / "config.json").exists():
+        raise FileNotFoundError(f"no draft of record {record['label']} seed {record['seed']} "
+                                f"budget {record['budget']} at {folder}")
+    draft = Eagle3Draft.load(folder / "draft", target)
+    if draft.fingerprint() != record["draft_fingerprint"]:
+        raise ValueError(f"the draft at {folder} has weights {draft.fingerprint()}, the record "
+                         f"scored {record['draft_fingerprint']}")
+    return draft
+
+
 def run_jobs(jobs: list[Job], run: LongRun, max_jobs: int | None = None,
              progress: bool = True) -> list[dict]:
     """``run_job`` over ``jobs`` in order (the first ``max_jobs`` missing ones)."""
