@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_tensors
+from safetensors import safe_open
 from safetensors.torch import save as save_tensors
 from tqdm import tqdm
 
@@ -204,15 +204,20 @@ class TargetFeatures:
                              f"{describe_model(self.record['target'])}, not "
                              f"{describe_model(model_identity(target))} ({'; '.join(problems)})")
 
-    def _chunks(self):
-        for chunk in self.record["chunks"]:
-            path = self.folder / chunk["file"]
-            verify_once(path, chunk, self.repair)
-            columns = load_tensors(path.read_bytes())
-            if int(columns["lengths"].sum()) != columns["argmax"].numel():
-                raise IntegrityError(path, "tokens", int(columns["lengths"].sum()),
-                                     columns["argmax"].numel(), self.repair)
-            yield chunk, columns
+    def _read(self, chunk: dict, layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """One chunk's argmax, lengths and the states of ``layers`` (n, n_tokens, D), read
+        layer by layer (each is contiguous on disk): a draft reads its k + 1 of the union."""
+        path = self.folder / chunk["file"]
+        verify_once(path, chunk, self.repair)
+        with safe_open(path, "pt") as f:
+            rows = [self.layers.index(i) for i in layers]
+            states = torch.cat([f.get_slice("states")[r:r + 1] for r in rows])  # (n, T, D)
+            columns = {"states": states, "argmax": f.get_tensor("argmax"),
+                       "lengths": f.get_tensor("lengths")}
+        if int(columns["lengths"].sum()) != columns["argmax"].numel():
+            raise IntegrityError(path, "tokens", int(columns["lengths"].sum()),
+                                 columns["argmax"].numel(), self.repair)
+        return columns
 
     def train_data(self, layer_ids, max_seq_len: int | None = None) -> TrainData:
         """The store route's ``TrainData`` of the draft layers ``layer_ids`` (in that order;
@@ -221,18 +226,19 @@ class TargetFeatures:
         if missing:
             raise ValueError(f"layers {missing} are not in features {self.folder} (it holds "
                              f"{list(self.layers)}); compute features with them")
-        rows = [self.layers.index(i) for i in layer_ids]
-        last = len(self.layers) - 1
+        k = len(layer_ids)
         data = TrainData([], [], [], [], [])
-        for chunk, columns in self._chunks():
+        for chunk in self.record["chunks"]:
+            columns = self._read(chunk, (*layer_ids, self.layers[-1]))
             offsets = [0, *columns["lengths"].cumsum(0).tolist()]
             for j in range(chunk["count"]):
                 index, start = chunk["first"] + j, offsets[j]
                 stop = start + min(offsets[j + 1] - start, max_seq_len or offsets[j + 1])
-                chosen = columns["states"][rows, start:stop]  # (k, T, D)
+                chosen = columns["states"][:k, start:stop]  # (k, T, D)
                 data.target_states.append(chosen.permute(1, 0, 2).reshape(stop - start, -1))
-                data.last_states.append(columns["states"][last, start:stop])
-                data.argmax.append(columns["argmax"][start:stop])
+                # copies: a view would keep the whole chunk alive
+                data.last_states.append(columns["states"][k, start:stop].clone())
+                data.argmax.append(columns["argmax"][start:stop].clone())
                 data.input_ids.append(self.source.input_ids[index][: stop - start])
                 data.loss_mask.append(self.source.loss_mask[index][: stop - start])
         return data
