@@ -46,6 +46,7 @@ from actwave.stats.selection import eagle3_default
 from actwave.study.longrun import LongRunConfig, features, text_sources
 
 OUT = repo_root() / "results/benchmarks"
+CURVE_SEQUENCES = 100  # held-out sequences scored at every checkpoint (the learning curve)
 
 
 @dataclass
@@ -62,7 +63,7 @@ class DraftBudget:
     ttt_steps: int = 3
     lr: float = 1e-3
     draft_vocab_size: int = 16384
-    checkpoint_every: int = 100
+    checkpoint_every: int = 400    # also the held-out curve's resolution
     seed: int = 0
     eval_conversations: int = 400  # held-out eval-pool conversations (+ as many train ones)
 
@@ -112,6 +113,13 @@ def fit_and_held_out(budget: DraftBudget, train: TargetFeatures, held_out: Targe
                                ("held_out", held_out.train_data(layers, budget.max_seq_len)))}
 
 
+def _curve(out_dir: Path) -> list[dict]:
+    """Per checkpoint: step, tokens and held-out agreement per TTT step (``eval.csv``)."""
+    with open(out_dir / "eval.csv") as handle:
+        return [{k: float(v) for k, v in row.items() if k == "step" or k == "tokens"
+                 or k.startswith("acc_")} for row in csv.DictReader(handle)]
+
+
 def regeneration_cost(model: str) -> dict:
     """Seconds and new tokens of the model's train pool (all of it, not just what is used)."""
     folder = regenerate.output_dir(pools.pool_config(model, "train"))
@@ -138,7 +146,9 @@ def main(argv: list[str] | None = None) -> Path:
                                              features_root(budget.model))
     draft_dir = cache_dir() / "bench-drafts" / config_hash({"train": asdict(train),
                                                              "data": train_features.digest})
-    result = train_from_features(train_features, target, train, draft_dir)
+    curve = _first(eval_features.train_data(train.layer_ids, budget.max_seq_len), CURVE_SEQUENCES)
+    result = train_from_features(train_features, target, train, draft_dir, eval_fn=lambda draft:
+                                 evaluate_data(draft, curve, target, ttt_steps=budget.ttt_steps))
     agreement = fit_and_held_out(budget, train_features, eval_features, result.draft, target)
     atomic_write_json(out / "draft.json", {
         "agreement": agreement,
@@ -146,6 +156,7 @@ def main(argv: list[str] | None = None) -> Path:
         "train_config": asdict(train), "sequences": len(sources["train"]),
         "sequence_tokens": sources["train"].n_tokens, **regeneration_cost(budget.model),
         "features": {"train": train_features.digest, "eval": eval_features.digest},
+        "held_out_curve": _curve(draft_dir),
         **training_cost(draft_dir), "versions": package_versions()})
     return draft_dir
 

@@ -114,6 +114,7 @@ def test_bench_draft_trains_on_the_pool_and_resumes_from_the_pin(tmp_path, monke
     for part in ("train", "held_out"):  # per-TTT-step agreement on 2 seen + 2 held-out sequences
         agreement = record["agreement"][part]
         assert agreement["n_sequences"] == 2 and all(0 <= agreement[f"acc_{i}"] <= 1 for i in range(3))
+    assert [row["step"] for row in record["held_out_curve"]] == [2, 3]  # every checkpoint
     pinned = list((tmp_path / "pinned").glob("*/manifest.json"))
     assert len(pinned) == 2  # the train pool's replies and the held-out eval pool's
     history = (draft_dir / "history.csv").read_text()

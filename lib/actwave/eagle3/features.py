@@ -273,10 +273,12 @@ def open_features(source: OnlineSource, target, config: FeatureConfig, root: Pat
 
 @_one_writer
 def train_from_features(features: TargetFeatures, target, config: TrainConfig, out_dir,
-                        progress: bool = True, segment: Segment | None = None) -> TrainResult:
-    """``train_draft`` on cached features: the same loop, checkpoints, resume and segments
-    (``train.fit``), the target used only for its LM head (soft labels) and embedding."""
+                        progress: bool = True, segment: Segment | None = None,
+                        eval_fn=None) -> TrainResult:
+    """``train_draft`` on cached features: the same loop, checkpoints, resume, segments and
+    per-checkpoint ``eval_fn(draft) -> dict`` (``train.fit``), the target used only for its
+    LM head (soft labels) and embedding."""
     features.check_target(target)
     target.eval()
     return fit(features, lambda: features.train_data(config.layer_ids, config.max_seq_len),
-               make_batch, target, config, out_dir, progress, segment=segment)
+               make_batch, target, config, out_dir, progress, eval_fn=eval_fn, segment=segment)
