@@ -49,7 +49,7 @@ from actwave.capture.store import DTYPES, run_capture
 from actwave.notebook import notebook_setup
 from actwave.plots import save_json, save_table
 
-setup = notebook_setup("01_capture", profile, models)
+NOTEBOOK, model_names, results_dir, log = notebook_setup("01_capture", profile, models)
 configs = index.capture_configs(models, train_models, globals())
 configs
 
@@ -63,11 +63,11 @@ for (name, split), config in configs.items():  # analysis splits first: 02-05 ne
                  "source": config.source, "sequences": m["n_sequences"], "tokens": m["n_tokens"],
                  "assistant_tokens": int(store.column("loss_mask").sum()),
                  "dataset_hash": m["dataset_hash"], "store": store.path.name})
-    setup.log.info("%s/%s: %d tokens in %.0f s", name, split, m["n_tokens"], m["seconds"])
+    log.info("%s/%s: %d tokens in %.0f s", name, split, m["n_tokens"], m["seconds"])
 
 # %%
 summary = pd.DataFrame(rows)
-save_table(summary, "01_capture", setup.notebook, setup.results_dir)
+save_table(summary, "01_capture", NOTEBOOK, results_dir)
 # The index later notebooks open the stores by (model, split → folder under the cache dir).
-save_json(index.stores_index(configs), index.STORES, setup.notebook, setup.results_dir)
+save_json(index.stores_index(configs), index.STORES, NOTEBOOK, results_dir)
 summary

@@ -44,8 +44,7 @@ from actwave.notebook import notebook_setup
 from actwave.profile import build
 from actwave.stats import analysis, selection
 
-setup = notebook_setup("02_layer_entropy", profile, models)
-NOTEBOOK, model_names, results_dir = setup.notebook, setup.models, setup.results_dir
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("02_layer_entropy", profile, models)
 stores = index.open_stores(results_dir, model_names, "analysis")  # notebook 01's stores
 settings = build("analysis", globals(), with_special=True)
 stores, settings

@@ -41,8 +41,7 @@ from actwave.notebook import notebook_setup
 from actwave.profile import build
 from actwave.stats import analysis, selection, selection_report
 
-setup = notebook_setup("03_cka_geometry", profile, models)
-NOTEBOOK, model_names, results_dir = setup.notebook, setup.models, setup.results_dir
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("03_cka_geometry", profile, models)
 stores = index.open_stores(results_dir, model_names, "analysis")  # notebook 01's stores
 settings = build("analysis", globals(), with_special=True)
 cka_kinds = {"debiased": True, "biased": False}

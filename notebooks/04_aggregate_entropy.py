@@ -45,8 +45,7 @@ from actwave.notebook import notebook_setup
 from actwave.profile import build
 from actwave.stats import analysis, selection, selection_report
 
-setup = notebook_setup("04_aggregate_entropy", profile, models)
-NOTEBOOK, model_names, results_dir = setup.notebook, setup.models, setup.results_dir
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("04_aggregate_entropy", profile, models)
 stores = index.open_stores(results_dir, model_names, "analysis")  # notebook 01's stores
 settings = build("analysis", globals())
 keys = [(name, label) for name in model_names for label in settings]

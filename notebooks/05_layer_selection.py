@@ -50,8 +50,7 @@ from actwave.notebook import notebook_setup
 from actwave.profile import build
 from actwave.stats import analysis, selection_report
 
-setup = notebook_setup("05_layer_selection", profile, models)
-NOTEBOOK, model_names, results_dir = setup.notebook, setup.models, setup.results_dir
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("05_layer_selection", profile, models)
 stores = index.open_stores(results_dir, model_names, "analysis")  # notebook 01's stores
 settings = build("analysis", globals())
 unfiltered, filtered = settings  # "all tokens", "top X% entropy"

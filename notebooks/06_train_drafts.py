@@ -16,12 +16,12 @@
 # For every layer set that notebook 05 proposed (`results/<profile>/05_candidate_sets.json`,
 # `{model: {label: [layers]}}`), train an EAGLE-3 draft (fc over the k target states, one
 # decoder layer, frozen target embedding, frequency-built draft vocabulary) from the `train`
-# capture store of notebook 01, with the training-time test unrolled `ttt_steps` steps and
+# capture store of notebook 01, with the training-time test unrolled `train_ttt_steps` steps and
 # the loss Σ γ^i · soft-CE (`actwave.eagle3.train`). The target is never re-run: its soft
 # labels come from the stored ℓ=N state through its final norm + LM head.
 #
 # Held-out top-1 agreement with the target (draft argmax == target argmax, per TTT step)
-# is scored on the first `eval_sequences` sequences of the disjoint `analysis` store at
+# is scored on the first `train_eval_sequences` sequences of the disjoint `analysis` store at
 # every checkpoint. Drafts are cached under `<cache>/drafts/` (`actwave.index.draft_dir`:
 # keyed by the training config and both stores), so a rerun skips finished drafts and
 # resumes interrupted ones. The stores come from notebook 01's index `01_stores.json`. `results/<profile>/06_drafts.json` maps model → label → draft folder (relative to
@@ -56,8 +56,7 @@ from actwave.eagle3.train import train_draft
 from actwave.notebook import notebook_setup
 from actwave.profile import build
 
-setup = notebook_setup("06_train_drafts", profile, train_models)
-NOTEBOOK, model_names, results_dir = setup.notebook, setup.models, setup.results_dir
+NOTEBOOK, model_names, results_dir, log = notebook_setup("06_train_drafts", profile, train_models)
 train_stores = index.open_stores(results_dir, model_names, "train")
 eval_stores = index.open_stores(results_dir, model_names, "analysis")
 candidate_sets = index.read_index(results_dir, index.CANDIDATE_SETS, model_names)
@@ -77,7 +76,7 @@ for name in model_names:
         result = train_draft(train_store, target, config, out_dir, eval_store=eval_store)
         runs[name, label] = result
         manifest.setdefault(name, {})[label] = index.cache_relative(result.draft_dir)
-        setup.log.info("%s %s %s: %.0f s", name, label, layers, result.seconds)
+        log.info("%s %s %s: %.0f s", name, label, layers, result.seconds)
     del target
 plots.save_json(manifest, index.DRAFTS, NOTEBOOK, results_dir)
 

@@ -61,8 +61,7 @@ from actwave.decoding import evaluate, fastpath, report
 from actwave.notebook import notebook_setup
 from actwave.profile import build
 
-setup = notebook_setup("07_speculative", profile, train_models)
-NOTEBOOK, model_names, results_dir = setup.notebook, setup.models, setup.results_dir
+NOTEBOOK, model_names, results_dir, log = notebook_setup("07_speculative", profile, train_models)
 config = build("eval", globals())
 draft_dirs = index.read_index(results_dir, index.DRAFTS, model_names)  # notebook 06's drafts
 config, draft_dirs
@@ -118,7 +117,7 @@ selection_path = results_dir / "05_selection.csv"
 if selection_path.exists():
     joined, correlations = report.tau_vs_scores(taus, report.read_selection_scores(selection_path))
 else:
-    setup.log.warning("%s missing: run notebook 05 for the score correlations", selection_path)
+    log.warning("%s missing: run notebook 05 for the score correlations", selection_path)
     joined, correlations = taus.iloc[:0].assign(token_set="", score="", value=0.0), pd.DataFrame()
 if not correlations.empty:
     plots.save_table(correlations, f"{NOTEBOOK}_tau_vs_score", NOTEBOOK, results_dir,

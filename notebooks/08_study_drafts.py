@@ -70,6 +70,7 @@ import dataclasses
 import pandas as pd
 from tqdm import tqdm
 
+from actwave.capture import models as model_zoo
 from actwave.capture.store import analysis_captures
 from actwave.config import cache_dir
 from actwave.notebook import notebook_setup
@@ -77,8 +78,7 @@ from actwave.plots import save_json, save_table
 from actwave.profile import build, section
 from actwave.study import runs
 
-setup = notebook_setup("08_study_drafts", profile, models)
-NOTEBOOK, model_names, results_dir = setup.notebook, setup.models, setup.results_dir
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("08_study_drafts", profile, models)
 settings = dict(zip(runs.SETTINGS, build("analysis", globals()).values()))
 configs = {name: build("study", globals(), model=name) for name in model_names}
 configs = {name: config if name in extra_k_models.split(",")

@@ -53,8 +53,7 @@ from actwave.notebook import notebook_setup
 from actwave.profile import build
 from actwave.study import report, runs
 
-setup = notebook_setup("09_study_decoding", profile, models)
-NOTEBOOK, model_names, results_dir = setup.notebook, setup.models, setup.results_dir
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("09_study_decoding", profile, models)
 
 # %%
 summaries, agreement, paired = [], [], []

@@ -40,8 +40,7 @@ from actwave.capture import models as model_zoo
 from actwave.notebook import notebook_setup
 from actwave.study import report, runs
 
-setup = notebook_setup("10_study_report", profile, models)
-NOTEBOOK, model_names, results_dir = setup.notebook, setup.models, setup.results_dir
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("10_study_report", profile, models)
 records = {name: runs.load_records(results_dir / model_zoo.slug(name)) for name in model_names}
 sets = {name: pd.read_csv(results_dir / f"08_sets_{model_zoo.slug(name)}.csv")
         for name in model_names}

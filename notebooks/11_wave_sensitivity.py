@@ -62,8 +62,7 @@ from actwave.notebook import notebook_setup
 from actwave.profile import build, section
 from actwave.stats import analysis, selection, sensitivity
 
-setup = notebook_setup("11_wave_sensitivity", profile, models)
-NOTEBOOK, model_names, results_dir = setup.notebook, setup.models, setup.results_dir
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("11_wave_sensitivity", profile, models)
 variants = sensitivity.variant_configs(
     sensitivity.parse_values(sensitivity_quantiles, "sensitivity_quantiles", 0, 1),
     sensitivity.parse_values(normalized_quantiles, "normalized_quantiles", 0, 1),

@@ -55,8 +55,7 @@ from actwave.notebook import notebook_setup
 from actwave.profile import build
 from actwave.study import longrun, report
 
-setup = notebook_setup("12_study_long", profile, models)
-NOTEBOOK, model_names, results_dir = setup.notebook, setup.models, setup.results_dir
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("12_study_long", profile, models)
 labels = longrun_sets if longrun_sets in ("", "all") else longrun_sets.split(",")
 
 # %% [markdown]

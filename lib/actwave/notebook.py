@@ -1,17 +1,17 @@
-"""The setup every notebook starts with, in one call: ``setup = notebook_setup(NAME, profile, models)``."""
+"""The setup every notebook starts with, in one call:
+``NOTEBOOK, model_names, results_dir, log = notebook_setup(NAME, profile, models)``."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from actwave import index, plots
 from actwave.config import results_dir
 
 
-@dataclass(frozen=True)
-class Setup:
-    """What a notebook's first cell used to compute for itself."""
+class Setup(NamedTuple):
+    """What a notebook's first cell used to compute for itself (unpacked in one line)."""
 
     notebook: str       # the name its tables, figures and manifest entries carry
     models: list[str]   # the models it runs on
