@@ -22,7 +22,8 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-# section -> "module:builder". Resolved on use: listing a profile's notebooks imports no torch.
+# section -> "module:builder", imported on first use: importing this module (actwave.index
+# does) loads none of the stage modules until a profile is read.
 SECTIONS = {
     "capture": "actwave.capture.store:CaptureConfig",        # the analysis split
     "train_capture": "actwave.capture.store:CaptureConfig",  # the train split (notebook 01)
