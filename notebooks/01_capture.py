@@ -27,35 +27,30 @@ models = "smollm2-135m,gemma3-270m"
 train_models = "smollm2-135m"      # models whose drafts are trained (notebook 06)
 seed = 0
 device = "cpu"
-capture_dtype = "float32"          # analysis split: statistics in full precision
-train_capture_dtype = "float32"    # train split: draft inputs (stored in bf16 either way)
-train_source = "sharegpt"          # train replies: 'sharegpt' (original) | 'regenerated' by the target (EAGLE-3)
-regen_new_tokens = 256             # reply budget when regenerating
-analysis_sequences = 64
-train_sequences = 96
-max_seq_len = 512
+# the analysis split of every model (CaptureConfig): statistics in full precision
+capture_n_sequences = 64
+capture_max_seq_len = 512
 capture_batch_size = 4
+capture_dtype = "float32"
+# the train split of train_models (CaptureConfig): draft inputs (stored in bf16 either way)
+train_capture_n_sequences = 96
+train_capture_max_seq_len = 512
+train_capture_batch_size = 4
+train_capture_dtype = "float32"
+train_capture_source = "sharegpt"  # replies: 'sharegpt' (original) | 'regenerated' by the target (EAGLE-3)
+train_capture_regen_new_tokens = 256  # reply budget when regenerating
 
 # %%
-import logging
-
 import pandas as pd
 
 from actwave import index
 from actwave.capture import models as model_zoo
 from actwave.capture.store import DTYPES, run_capture
-from actwave.config import results_dir as profile_results
+from actwave.notebook import notebook_setup
 from actwave.plots import save_json, save_table
 
-logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-NOTEBOOK = "01_capture"
-configs = index.capture_configs(
-    models, train_models, seed=seed, capture_dtype=capture_dtype,
-    train_capture_dtype=train_capture_dtype, train_source=train_source,
-    regen_new_tokens=regen_new_tokens, analysis_sequences=analysis_sequences,
-    train_sequences=train_sequences, max_seq_len=max_seq_len,
-    capture_batch_size=capture_batch_size)
-results_dir = profile_results(profile)
+NOTEBOOK, model_names, results_dir, log = notebook_setup("01_capture", profile, models)
+configs = index.capture_configs(models, train_models, globals())
 configs
 
 # %%
@@ -68,7 +63,7 @@ for (name, split), config in configs.items():  # analysis splits first: 02-05 ne
                  "source": config.source, "sequences": m["n_sequences"], "tokens": m["n_tokens"],
                  "assistant_tokens": int(store.column("loss_mask").sum()),
                  "dataset_hash": m["dataset_hash"], "store": store.path.name})
-    logging.info("%s/%s: %d tokens in %.0f s", name, split, m["n_tokens"], m["seconds"])
+    log.info("%s/%s: %d tokens in %.0f s", name, split, m["n_tokens"], m["seconds"])
 
 # %%
 summary = pd.DataFrame(rows)

@@ -33,28 +33,20 @@ seed = 0
 device = "cpu"
 filter_quantile = 0.5
 max_tokens = 0  # 0 = use every kept token
-stats_matmul_dtype = "float32"  # per-chunk cross products (≈2× faster on CPU); sums stay float64
+matmul_dtype = "float32"  # per-chunk cross products (≈2× faster on CPU); sums stay float64
 
 # %%
-import logging
-
 import pandas as pd
 
 from actwave import index, plots
 from actwave.capture import models as model_zoo
-from actwave.config import results_dir as profile_results
+from actwave.notebook import notebook_setup
+from actwave.profile import build
 from actwave.stats import analysis, selection
 
-logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
-logging.getLogger("actwave").setLevel(logging.INFO)
-NOTEBOOK = "02_layer_entropy"
-model_names = index.names(models)
-results_dir = profile_results(profile)
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("02_layer_entropy", profile, models)
 stores = index.open_stores(results_dir, model_names, "analysis")  # notebook 01's stores
-settings = analysis.token_settings(filter_quantile, max_tokens=max_tokens or None, seed=seed,
-                                   matmul_dtype=stats_matmul_dtype,
-                                   with_special=True)
-plots.setup_style()
+settings = build("analysis", globals(), with_special=True)
 stores, settings
 
 # %% [markdown]

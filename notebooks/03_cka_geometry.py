@@ -28,31 +28,23 @@ seed = 0
 device = "cpu"
 filter_quantile = 0.5
 max_tokens = 0  # 0 = use every kept token
-stats_matmul_dtype = "float32"  # per-chunk cross products (≈2× faster on CPU); sums stay float64
+matmul_dtype = "float32"  # per-chunk cross products (≈2× faster on CPU); sums stay float64
 compartment_resolution = 1.0
 
 # %%
-import logging
-
 import matplotlib.pyplot as plt
 import pandas as pd
 
 from actwave import index, plots
 from actwave.capture import models as model_zoo
-from actwave.config import results_dir as profile_results
+from actwave.notebook import notebook_setup
+from actwave.profile import build
 from actwave.stats import analysis, selection, selection_report
 
-logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
-logging.getLogger("actwave").setLevel(logging.INFO)
-NOTEBOOK = "03_cka_geometry"
-model_names = index.names(models)
-results_dir = profile_results(profile)
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("03_cka_geometry", profile, models)
 stores = index.open_stores(results_dir, model_names, "analysis")  # notebook 01's stores
-settings = analysis.token_settings(filter_quantile, max_tokens=max_tokens or None, seed=seed,
-                                   matmul_dtype=stats_matmul_dtype,
-                                   with_special=True)
+settings = build("analysis", globals(), with_special=True)
 cka_kinds = {"debiased": True, "biased": False}
-plots.setup_style()
 stores, settings
 
 # %% [markdown]

@@ -33,7 +33,7 @@ seed = 0
 device = "cpu"
 filter_quantile = 0.5
 max_tokens = 0  # 0 = use every kept token
-stats_matmul_dtype = "float32"  # per-chunk cross products (≈2× faster on CPU); sums stay float64
+matmul_dtype = "float32"  # per-chunk cross products (≈2× faster on CPU); sums stay float64
 k = 3
 greedy_alpha = 1.0  # Rényi order of the greedy aggregate-entropy method (1 = Shannon)
 mrmr_lambda = 1.0
@@ -42,30 +42,21 @@ combined_method = "renyi2_exhaustive"  # entropy+CKA method whose sets go to not
 competitive_percentile = 90.0
 
 # %%
-import logging
-
 import pandas as pd
 
 from actwave import index, plots
 from actwave.config import package_versions
-from actwave.config import results_dir as profile_results
+from actwave.notebook import notebook_setup
+from actwave.profile import build
 from actwave.stats import analysis, selection_report
 
-logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
-logging.getLogger("actwave").setLevel(logging.INFO)
-NOTEBOOK = "05_layer_selection"
-model_names = index.names(models)
-results_dir = profile_results(profile)
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("05_layer_selection", profile, models)
 stores = index.open_stores(results_dir, model_names, "analysis")  # notebook 01's stores
-settings = analysis.token_settings(filter_quantile, max_tokens=max_tokens or None, seed=seed,
-                                   matmul_dtype=stats_matmul_dtype)
+settings = build("analysis", globals())
 unfiltered, filtered = settings  # "all tokens", "top X% entropy"
-config = selection_report.SelectionConfig(
-    k=k, greedy_alpha=greedy_alpha, mrmr_lambda=mrmr_lambda, dpp_theta=dpp_theta,
-    combined_method=combined_method, competitive_percentile=competitive_percentile, seed=seed)
+config = build("selection", globals())
 methods = config.methods()  # label (= method name): (method, options)
 keys = [(name, label) for name in model_names for label in settings]
-plots.setup_style()
 stores, settings
 
 # %% [markdown]

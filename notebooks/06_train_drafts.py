@@ -16,12 +16,12 @@
 # For every layer set that notebook 05 proposed (`results/<profile>/05_candidate_sets.json`,
 # `{model: {label: [layers]}}`), train an EAGLE-3 draft (fc over the k target states, one
 # decoder layer, frozen target embedding, frequency-built draft vocabulary) from the `train`
-# capture store of notebook 01, with the training-time test unrolled `ttt_steps` steps and
+# capture store of notebook 01, with the training-time test unrolled `train_ttt_steps` steps and
 # the loss Σ γ^i · soft-CE (`actwave.eagle3.train`). The target is never re-run: its soft
 # labels come from the stored ℓ=N state through its final norm + LM head.
 #
 # Held-out top-1 agreement with the target (draft argmax == target argmax, per TTT step)
-# is scored on the first `eval_sequences` sequences of the disjoint `analysis` store at
+# is scored on the first `train_eval_sequences` sequences of the disjoint `analysis` store at
 # every checkpoint. Drafts are cached under `<cache>/drafts/` (`actwave.index.draft_dir`:
 # keyed by the training config and both stores), so a rerun skips finished drafts and
 # resumes interrupted ones. The stores come from notebook 01's index `01_stores.json`. `results/<profile>/06_drafts.json` maps model → label → draft folder (relative to
@@ -32,44 +32,34 @@ profile = "cpu"
 train_models = "smollm2-135m"  # models that get drafts (notebook 01 captured their train split)
 seed = 0
 device = "cpu"
-# draft training; cpu: fp32 ~2.7 s per step of 2 × 512 tokens on 2 cores (SmolLM2)
-train_steps = 48
-warmup_steps = 5
-ttt_steps = 3
+# draft training (TrainConfig); cpu: fp32 ~2.7 s per step of 2 × 512 tokens on 2 cores (SmolLM2)
+total_steps = 48
+train_warmup_steps = 5
+train_ttt_steps = 3
 gamma = 0.8
-lr = 0.001
-batch_size = 2
+train_lr = 0.001
+train_batch_size = 2
 train_max_seq_len = 512
-draft_vocab_size = 8192
+train_draft_vocab_size = 8192
 lm_head_init = "random"
 train_dtype = "float32"
-checkpoint_every = 16
-eval_sequences = 8
+train_checkpoint_every = 16
+train_eval_sequences = 8
 
 # %%
-import logging
-
 import pandas as pd
 
 from actwave import index, plots
 from actwave.capture import models as model_zoo
 from actwave.capture.store import DTYPES
-from actwave.config import results_dir as profile_results
-from actwave.eagle3.train import TrainConfig, train_draft
+from actwave.eagle3.train import train_draft
+from actwave.notebook import notebook_setup
+from actwave.profile import build
 
-logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
-logging.getLogger("actwave").setLevel(logging.INFO)
-NOTEBOOK = "06_train_drafts"
-model_names = index.names(train_models)
-results_dir = profile_results(profile)
+NOTEBOOK, model_names, results_dir, log = notebook_setup("06_train_drafts", profile, train_models)
 train_stores = index.open_stores(results_dir, model_names, "train")
 eval_stores = index.open_stores(results_dir, model_names, "analysis")
 candidate_sets = index.read_index(results_dir, index.CANDIDATE_SETS, model_names)
-training = dict(ttt_steps=ttt_steps, gamma=gamma, lr=lr, warmup_steps=warmup_steps,
-                total_steps=train_steps, batch_size=batch_size, max_seq_len=train_max_seq_len,
-                draft_vocab_size=draft_vocab_size, seed=seed, checkpoint_every=checkpoint_every,
-                dtype=train_dtype, eval_sequences=eval_sequences, lm_head_init=lm_head_init)
-plots.setup_style()
 candidate_sets
 
 # %% [markdown]
@@ -81,12 +71,12 @@ for name in model_names:
     target, _ = model_zoo.load(name, dtype=DTYPES["float32"], device=device)
     train_store, eval_store = train_stores[name], eval_stores[name]
     for label, layers in sorted(candidate_sets[name].items()):
-        config = TrainConfig(layer_ids=tuple(layers), **training)
+        config = build("train", globals(), layer_ids=tuple(layers))
         out_dir = index.draft_dir(name, config, train_store, eval_store)
         result = train_draft(train_store, target, config, out_dir, eval_store=eval_store)
         runs[name, label] = result
         manifest.setdefault(name, {})[label] = index.cache_relative(result.draft_dir)
-        logging.info("%s %s %s: %.0f s", name, label, layers, result.seconds)
+        log.info("%s %s %s: %.0f s", name, label, layers, result.seconds)
     del target
 plots.save_json(manifest, index.DRAFTS, NOTEBOOK, results_dir)
 
@@ -118,7 +108,7 @@ curves["loss_smooth"] = curves.groupby(["model", "label"])["loss"].transform(
 held_out = pd.concat([pd.read_csv(r.out_dir / "eval.csv").assign(model=n, label=l)
                       for (n, l), r in runs.items()])
 held_out = held_out.melt(id_vars=["model", "label", "step"],
-                         value_vars=[f"acc_{i}" for i in range(ttt_steps)],
+                         value_vars=[f"acc_{i}" for i in range(train_ttt_steps)],
                          var_name="ttt_step", value_name="top1_agreement")
 for name in model_names:
     fig = plots.plot_training_curves(curves[curves["model"] == name],

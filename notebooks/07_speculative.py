@@ -33,46 +33,37 @@
 profile = "cpu"
 train_models = "smollm2-135m"  # models with drafts from notebook 06
 device = "cpu"
-dtype = "float32"  # fp32: speculative output must equal greedy exactly
+seed = 0
+# the harness (EvalConfig)
+eval_dtype = "float32"  # fp32: speculative output must equal greedy exactly
 benchmarks = "mtbench,humaneval,sharegpt"
 n_prompts = 2
 max_turns = 1
 max_new_tokens = 64
 max_prompt_tokens = 1024
 mode = "tree"
-depth = 4
+eval_depth = 4
 top_k = 4
 total_tokens = 16
-routes = "measured"  # "stock": F.linear as shipped (actwave.decoding.linear_routes)
-acceptance_prompts = 16  # held-out ShareGPT greedy replies behind the auto shape
 peers = True
 n_bootstrap = 1000
-seed = 0
+routes = "measured"  # "stock": F.linear as shipped (actwave.decoding.linear_routes)
+acceptance_prompts = 16  # held-out ShareGPT greedy replies behind the auto shape
 
 # %%
-import logging
-
 import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
 from actwave import index, plots
 from actwave.capture import models as model_zoo
-from actwave.config import results_dir as profile_results
 from actwave.decoding import evaluate, fastpath, report
+from actwave.notebook import notebook_setup
+from actwave.profile import build
 
-logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
-logging.getLogger("actwave").setLevel(logging.INFO)
-NOTEBOOK = "07_speculative"
-results_dir = profile_results(profile)
-model_names = index.names(train_models)
-config = evaluate.EvalConfig(
-    dtype=dtype, benchmarks=tuple(index.names(benchmarks)),
-    n_prompts=n_prompts, max_turns=max_turns, max_new_tokens=max_new_tokens,
-    max_prompt_tokens=max_prompt_tokens, mode=mode, depth=depth, top_k=top_k,
-    total_tokens=total_tokens, peers=peers, n_bootstrap=n_bootstrap, seed=seed)
+NOTEBOOK, model_names, results_dir, log = notebook_setup("07_speculative", profile, train_models)
+config = build("eval", globals())
 draft_dirs = index.read_index(results_dir, index.DRAFTS, model_names)  # notebook 06's drafts
-plots.setup_style()
 config, draft_dirs
 
 # %% [markdown]
@@ -81,11 +72,11 @@ config, draft_dirs
 # %%
 comparisons, layer_sets = {}, {}
 for name in model_names:
-    target, tokenizer = model_zoo.load(name, dtype=getattr(torch, dtype), device=device)
+    target, tokenizer = model_zoo.load(name, dtype=getattr(torch, config.dtype), device=device)
     drafts = evaluate.load_drafts(target, draft_dirs[name])
     layer_sets[name] = {label: tuple(draft.layer_ids) for label, draft in drafts.items()}
     comparisons[name] = fastpath.compare(
-        target, tokenizer, drafts, evaluate.EvalConfig(**{**vars(config), "model": name}),
+        target, tokenizer, drafts, build("eval", globals(), model=name),
         model_zoo.stop_token_ids(tokenizer, name), routes=routes,
         acceptance_prompts=acceptance_prompts, out_dir=results_dir,
         run_name=f"{NOTEBOOK}_records_{model_zoo.slug(name)}")
@@ -126,7 +117,7 @@ selection_path = results_dir / "05_selection.csv"
 if selection_path.exists():
     joined, correlations = report.tau_vs_scores(taus, report.read_selection_scores(selection_path))
 else:
-    logging.warning("%s missing: run notebook 05 for the score correlations", selection_path)
+    log.warning("%s missing: run notebook 05 for the score correlations", selection_path)
     joined, correlations = taus.iloc[:0].assign(token_set="", score="", value=0.0), pd.DataFrame()
 if not correlations.empty:
     plots.save_table(correlations, f"{NOTEBOOK}_tau_vs_score", NOTEBOOK, results_dir,

@@ -29,32 +29,31 @@ profile = "study"
 models = "smollm2-135m,gemma3-270m"
 seed = 0
 device = "cpu"
-capture_dtype = "float32"
-decode_benchmarks = "mtbench,humaneval,sharegpt"
-decode_prompts = 20
-decode_new_tokens = 32
+# the decoding harness (EvalConfig; depth: the study's K)
+eval_dtype = "float32"
+benchmarks = "mtbench,humaneval,sharegpt"
+n_prompts = 20
+max_turns = 2
+max_new_tokens = 32
+mode = "chain"
+peers = False
+n_bootstrap = 1000
 routes = "measured"  # "stock": F.linear as shipped (actwave.decoding.linear_routes)
 acceptance_prompts = 16  # held-out ShareGPT greedy replies behind the auto shape
-n_bootstrap = 1000
 
 # %%
-import logging
-
 import pandas as pd
 
 from actwave import plots
 from actwave.capture import models as model_zoo
 from actwave.capture.store import DTYPES
-from actwave.config import cache_dir, results_dir as results_dir_of
-from actwave.decoding import evaluate, fastpath
+from actwave.config import cache_dir
+from actwave.decoding import fastpath
+from actwave.notebook import notebook_setup
+from actwave.profile import build
 from actwave.study import report, runs
 
-logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
-logging.getLogger("actwave").setLevel(logging.INFO)
-NOTEBOOK = "09_study_decoding"
-model_names = [m.strip() for m in models.split(",") if m.strip()]
-results_dir = results_dir_of(profile)
-plots.setup_style()
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("09_study_decoding", profile, models)
 
 # %%
 summaries, agreement, paired = [], [], []
@@ -63,14 +62,11 @@ for name in model_names:
     records = report.main_records(runs.load_records(out))
     chosen = runs.decoding_sets(records)
     config = runs.StudyConfig(**chosen["eagle3_default"]["study"])
-    target, tokenizer = model_zoo.load(name, dtype=DTYPES[capture_dtype], device=device)
+    target, tokenizer = model_zoo.load(name, dtype=DTYPES[eval_dtype], device=device)
     stores = runs.open_stores(results_dir, model_zoo.slug(name))
     drafts = {label: runs.load_draft(record, config, target, stores, cache_dir() / "study-drafts")
               for label, record in chosen.items()}
-    eval_config = evaluate.EvalConfig(
-        model=name, dtype=capture_dtype, benchmarks=tuple(decode_benchmarks.split(",")),
-        n_prompts=decode_prompts, max_turns=2, max_new_tokens=decode_new_tokens, mode="chain",
-        depth=config.depth, peers=False, n_bootstrap=n_bootstrap, seed=seed)
+    eval_config = build("eval", globals(), model=name, depth=config.depth)
     comparison = fastpath.compare(target, tokenizer, drafts, eval_config,
                                   model_zoo.stop_token_ids(tokenizer, name), routes=routes,
                                   acceptance_prompts=acceptance_prompts, out_dir=out,

@@ -37,13 +37,10 @@ import pandas as pd
 
 from actwave import plots
 from actwave.capture import models as model_zoo
-from actwave.config import results_dir as results_dir_of
+from actwave.notebook import notebook_setup
 from actwave.study import report, runs
 
-NOTEBOOK = "10_study_report"
-model_names = [m.strip() for m in models.split(",") if m.strip()]
-results_dir = results_dir_of(profile)
-plots.setup_style()
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("10_study_report", profile, models)
 records = {name: runs.load_records(results_dir / model_zoo.slug(name)) for name in model_names}
 sets = {name: pd.read_csv(results_dir / f"08_sets_{model_zoo.slug(name)}.csv")
         for name in model_names}

@@ -26,7 +26,7 @@
 #   layer: near 1, one direction carries the variance and the entropy measures little else;
 # * **compartments** (contiguous blocks of mutually similar layers, maximal generalised
 #   modularity Q_γ of the debiased CKA matrix) at resolutions γ ∈ `resolutions`, on the
-#   full analysis split and in `n_boot_compartments` bootstrap replicates over sequences
+#   full analysis split and in `n_boot` bootstrap replicates over sequences
 #   (each on ≤ `boot_tokens` tokens, debiased linear CKA by the Gram route,
 #   `actwave.stats.sensitivity.bootstrap_compartments`).
 #
@@ -38,49 +38,42 @@ profile = "study"
 models = "smollm2-135m,gemma3-270m"
 seed = 0
 device = "cpu"
-analysis_sequences = 64
-max_seq_len = 512
+# the analysis split (CaptureConfig)
+capture_n_sequences = 64
+capture_max_seq_len = 512
 capture_batch_size = 4
 capture_dtype = "float32"
-stats_matmul_dtype = "float32"  # per-chunk cross products (≈2× faster on CPU); sums stay float64
+matmul_dtype = "float32"  # per-chunk cross products (≈2× faster on CPU); sums stay float64
 sensitivity_quantiles = "0,0.25,0.5,0.75"  # token-filter quantiles; 0 keeps every non-special token
 normalized_quantiles = "0,0.5"  # quantiles also run on row-normalised states
-n_boot_compartments = 20  # bootstrap replicates over sequences
+# the compartment bootstrap (BootstrapConfig)
+n_boot = 20  # bootstrap replicates over sequences
 boot_tokens = 3000  # at most this many tokens per replicate
 resolutions = "0.75,1.0,1.25,1.5"  # modularity resolutions γ of the compartments
 sensitivity_methods = "renyi2_exhaustive,logdet_dpp,mrmr,entropy_topk,cka_compartments,greedy_aggregate_entropy"
 
 # %%
-import logging
-
 import pandas as pd
 
 from actwave import index, plots
 from actwave.capture import models as model_zoo
 from actwave.capture.store import analysis_captures, run_capture
-from actwave.config import results_dir as profile_results
-from actwave.stats import analysis, selection, selection_report, sensitivity
+from actwave.notebook import notebook_setup
+from actwave.profile import build, section
+from actwave.stats import analysis, selection, sensitivity
 
-logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
-logging.getLogger("actwave").setLevel(logging.INFO)
-NOTEBOOK = "11_wave_sensitivity"
-model_names = index.names(models)
-results_dir = profile_results(profile)
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("11_wave_sensitivity", profile, models)
 variants = sensitivity.variant_configs(
     sensitivity.parse_values(sensitivity_quantiles, "sensitivity_quantiles", 0, 1),
     sensitivity.parse_values(normalized_quantiles, "normalized_quantiles", 0, 1),
-    seed=seed, matmul_dtype=stats_matmul_dtype)
-gammas = sensitivity.parse_values(resolutions, "resolutions", 1e-9, float("inf"))
-boot_config = sensitivity.BootstrapConfig(n_boot=n_boot_compartments, boot_tokens=boot_tokens,
-                                          resolutions=gammas, seed=seed)
-selection_config = selection_report.SelectionConfig(seed=seed)
-captures = analysis_captures(model_names, n_sequences=analysis_sequences,
-                             max_seq_len=max_seq_len, batch_size=capture_batch_size,
-                             dtype=capture_dtype, seed=seed)
+    seed=seed, matmul_dtype=matmul_dtype)
+boot_config = build("bootstrap", globals())
+gammas = boot_config.resolutions
+selection_config = build("selection", globals())
+captures = analysis_captures(model_names, **section(globals(), "capture"), seed=seed)
 # the analysis split (captured by notebook 01 or 08; captured here if neither ran)
 stores = {name: run_capture(captures[name], device=device) for name in model_names}
 default_layers = {name: selection.eagle3_default(s.num_layers) for name, s in stores.items()}
-plots.setup_style()
 variants, default_layers
 
 # %% [markdown]
@@ -208,7 +201,7 @@ for name in model_names:
                                   hue="resolution", marked_layers=default_layers[name],
                                   ylabel="share of replicates",
                                   title=f"{name}: compartment boundaries "
-                                        f"({n_boot_compartments} bootstrap replicates)")
+                                        f"({n_boot} bootstrap replicates)")
     saved = plots.save_figure(fig, f"11_boot_boundaries_{model_zoo.slug(name)}", NOTEBOOK)
 
 # %% [markdown]

@@ -35,10 +35,11 @@ models = "smollm2-135m,gemma3-270m"
 seed = 0
 longrun_sets = ""  # "": the pre-registered key sets; "all"; or comma-separated labels of notebook 08
 longrun_seeds = 3
-longrun_base_steps = 64
-longrun_multipliers = "1,4,16,32"
+# the budgets and their schedule (LongRunConfig)
+base_steps = 64
+multipliers = "1,4,16,32"
 longrun_warmup_steps = 6
-longrun_min_decay = 16  # decay branch: max(ceil(0.2·budget), this) steps
+min_decay = 16  # decay branch: max(ceil(0.2·budget), this) steps
 longrun_train_conversations = 3200
 longrun_eval_conversations = 400
 longrun_max_jobs = -1  # -1: every missing job; 0: report the committed records only
@@ -46,31 +47,23 @@ n_bootstrap = 1000
 n_permutations = 10000
 
 # %%
-import logging
-
 import pandas as pd
 
 from actwave import plots
 from actwave.capture import models as model_zoo
-from actwave.config import results_dir as results_dir_of
+from actwave.notebook import notebook_setup
+from actwave.profile import build
 from actwave.study import longrun, report
 
-logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
-logging.getLogger("actwave").setLevel(logging.INFO)
-NOTEBOOK = "12_study_long"
-model_names = [m.strip() for m in models.split(",") if m.strip()]
-results_dir = results_dir_of(profile)
+NOTEBOOK, model_names, results_dir, _ = notebook_setup("12_study_long", profile, models)
 labels = longrun_sets if longrun_sets in ("", "all") else longrun_sets.split(",")
-plots.setup_style()
 
 # %% [markdown]
 # ## Runs: what is done, what is missing, and the missing jobs in order
 
 # %%
 for name in model_names:
-    config = longrun.LongRunConfig(model=name, base_steps=longrun_base_steps,
-                                   multipliers=tuple(int(m) for m in longrun_multipliers.split(",")),
-                                   warmup_steps=longrun_warmup_steps, min_decay=longrun_min_decay)
+    config = build("longrun", globals(), model=name)
     sets = longrun.study_sets(name, labels or None, longrun_seeds, results_dir)
     jobs = longrun.plan(sets, config.budgets)
     folder = longrun.results_folder(name, results_dir)

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from actwave.capture import data
 from actwave.eagle3.export import ENGINES, engine_reads
+from actwave.profile import build, parameters
 from actwave.tools import cli
+from actwave.tools.runplan import load_profile
 
 SPECIAL = ["<|bos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
 CHAT_TEMPLATE = ("{{ '<|bos|>' }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content']"
@@ -148,11 +149,18 @@ def test_bad_arguments_are_refused_before_any_work(flags, message, capsys):
 
 
 def test_defaults_are_the_cpu_profile():
-    """So the command reads the caches ./reproduce.sh left (same capture and stats keys)."""
-    profile = yaml.safe_load((Path(__file__).parents[1] / "profiles" / "cpu.yaml").read_text())
-    args = cli.build_parser().parse_args(["select", "--model", "smollm2-135m"])
-    for option, key in cli.CPU_PROFILE_KEYS.items():
-        assert getattr(args, option) == profile[key], f"--{option} default != cpu.yaml {key}"
+    """So the command reads the caches ./reproduce.sh left (same capture and stats keys):
+    every option named as a cpu profile parameter defaults to its value, but the device (the
+    machine's); the configs it builds are the notebooks'."""
+    values = parameters(load_profile("cpu"))
+    args = vars(cli.build_parser().parse_args(["select", "--model", "smollm2-135m"]))
+    shared = sorted(set(values) & set(args) - {"device"})
+    assert {"capture_n_sequences", "capture_max_seq_len", "capture_dtype", "capture_batch_size",
+            "filter_quantile", "max_tokens", "matmul_dtype", "k", "seed"} <= set(shared)
+    assert {dest: args[dest] for dest in shared} == {dest: values[dest] for dest in shared}
+    assert build("capture", args, model="m", split="analysis") == \
+        build("capture", values, model="m", split="analysis")
+    assert build("analysis", args) == build("analysis", values)
 
 
 def test_module_entry_point_runs():

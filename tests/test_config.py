@@ -4,66 +4,43 @@ the indexes notebooks 01/05/06 write and later notebooks read.
 The committed cpu results pin the cache keys: the library must rebuild exactly the store
 and draft folders the cpu run recorded, from the cpu profile's values alone.
 """
-import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
-
 from actwave import config, index
 from actwave.capture.store import CaptureConfig, store_dir, store_key, write_manifest
-from actwave.decoding.evaluate import EvalConfig
 from actwave.eagle3.train import TrainConfig
 from actwave.integrity import bytes_record
+from actwave.profile import SECTIONS, build, fields, parameters, section
 from actwave.stats.selection_report import DRAFT_SOURCES, SelectionConfig
+from actwave.tools.runplan import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_RESULTS = ROOT / "results" / "cpu"
-CPU = yaml.safe_load((ROOT / "profiles" / "cpu.yaml").read_text())
-# profile key -> (dataclass, field): the library configs the notebooks build from a profile.
-FIELDS = {
-    CaptureConfig: {"analysis_sequences": "n_sequences", "max_seq_len": "max_seq_len",
-                    "capture_batch_size": "batch_size", "capture_dtype": "dtype",
-                    "regen_new_tokens": "regen_new_tokens", "seed": "seed"},
-    TrainConfig: {"ttt_steps": "ttt_steps", "gamma": "gamma", "lr": "lr",
-                  "warmup_steps": "warmup_steps", "train_steps": "total_steps",
-                  "batch_size": "batch_size", "train_max_seq_len": "max_seq_len",
-                  "draft_vocab_size": "draft_vocab_size", "seed": "seed",
-                  "checkpoint_every": "checkpoint_every", "train_dtype": "dtype",
-                  "lm_head_init": "lm_head_init", "eval_sequences": "eval_sequences"},
-    EvalConfig: {"dtype": "dtype", "benchmarks": "benchmarks", "n_prompts": "n_prompts",
-                 "max_turns": "max_turns", "max_new_tokens": "max_new_tokens",
-                 "max_prompt_tokens": "max_prompt_tokens", "mode": "mode", "depth": "depth",
-                 "top_k": "top_k", "total_tokens": "total_tokens", "peers": "peers",
-                 "n_bootstrap": "n_bootstrap", "seed": "seed"},
-    SelectionConfig: {"k": "k", "greedy_alpha": "greedy_alpha", "mrmr_lambda": "mrmr_lambda",
-                      "dpp_theta": "dpp_theta", "combined_method": "combined_method",
-                      "competitive_percentile": "competitive_percentile", "seed": "seed"},
-}
+CPU = parameters(load_profile("cpu"))
+# Sections whose config dataclass defaults to the cpu profile's values (the train split's
+# capture differs from the analysis split's by design; analysis builds several configs).
+CPU_DEFAULT_SECTIONS = ("capture", "selection", "train", "eval")
 
 
 def cpu_capture_configs():
-    keys = ("seed", "capture_dtype", "train_capture_dtype", "train_source", "regen_new_tokens",
-            "analysis_sequences", "train_sequences", "max_seq_len", "capture_batch_size")
-    return index.capture_configs(CPU["models"], CPU["train_models"],
-                                 **{key: CPU[key] for key in keys})
+    return index.capture_configs(CPU["models"], CPU["train_models"], CPU)
 
 
 def cpu_train_config(layers) -> TrainConfig:
-    fields = {field: CPU[key] for key, field in FIELDS[TrainConfig].items()}
-    return TrainConfig(layer_ids=tuple(layers), **fields)
+    return build("train", CPU, layer_ids=tuple(layers))
 
 
-@pytest.mark.parametrize("cls", list(FIELDS), ids=lambda cls: cls.__name__)
-def test_library_defaults_are_the_cpu_profile(cls):
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)
-                if f.default is not dataclasses.MISSING}
-    for key, field in FIELDS[cls].items():
-        expected = tuple(index.names(CPU[key])) if field == "benchmarks" else CPU[key]
-        assert defaults.get(field, expected) == expected, \
-            f"{cls.__name__}.{field} defaults to {defaults[field]!r}, cpu.yaml {key}={expected!r}"
+@pytest.mark.parametrize("name", CPU_DEFAULT_SECTIONS)
+def test_library_defaults_are_the_cpu_profile(name):
+    values = section(CPU, name)
+    assert values, f"cpu.yaml has no {name} section"
+    defaults = fields(name)
+    for key, value in values.items():
+        assert defaults[key] == value, \
+            f"{SECTIONS[name]}.{key} defaults to {defaults[key]!r}, cpu.yaml {name}.{key}={value!r}"
 
 
 # Store folders of the cpu profile's captures: keyed by the config and the digest of the
@@ -119,12 +96,12 @@ def test_draft_dirs_rebuild_the_committed_cpu_drafts(tmp_path, monkeypatch):
 
 
 def test_capture_configs_need_trained_models_among_models():
-    kwargs = dict(seed=0, capture_dtype="float32", train_capture_dtype="float32",
-                  train_source="regenerated", regen_new_tokens=16, analysis_sequences=2,
-                  train_sequences=3, max_seq_len=64, capture_batch_size=1)
+    values = {"seed": 0, "capture_n_sequences": 2, "capture_max_seq_len": 64,
+              "train_capture_n_sequences": 3, "train_capture_source": "regenerated",
+              "train_capture_regen_new_tokens": 16}
     with pytest.raises(ValueError, match=r"train_models \['b'\] are not in models \['a'\]"):
-        index.capture_configs("a", "b", **kwargs)
-    configs = index.capture_configs("a, ", "a", **kwargs)
+        index.capture_configs("a", "b", values)
+    configs = index.capture_configs("a, ", "a", values)
     assert configs["a", "train"].regen_new_tokens == 16 and configs["a", "train"].n_sequences == 3
     assert configs["a", "analysis"].source == "sharegpt"
     assert configs["a", "analysis"].regen_new_tokens == CaptureConfig.regen_new_tokens

@@ -10,13 +10,13 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
-from actwave.tools.runplan import select_notebooks
+from actwave.profile import parameters
+from actwave.tools.runplan import load_profile, select_notebooks
 from conftest import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE = yaml.safe_load((ROOT / "profiles" / "smoke.yaml").read_text())
+SMOKE = load_profile("smoke")
 NOTEBOOKS = select_notebooks(SMOKE)  # the smoke profile's notebooks, as reproduce.sh runs them
 
 
@@ -27,7 +27,7 @@ def smoke_env(tmp_path_factory):
         patch.setenv("ACTWAVE_FIGURES", str(figures))
         patch.setenv("ACTWAVE_RESULTS", str(results))
         yield {"figures": figures, "results": results,
-               "params": {k: v for k, v in SMOKE.items() if k != "notebooks"}}
+               "params": {k: v for k, v in parameters(SMOKE).items() if k != "notebooks"}}
 
 
 def run_notebook(source: Path, params: dict, results: Path, tmp_path: Path) -> None:
@@ -81,7 +81,7 @@ def test_pipeline_runs_on_a_local_model_folder(smollm2, smoke_env, tmp_path):
     assert "06_training_curves_tiny-llama.png" in figures and len(figures) >= 5
 
 
-STUDY_SMOKE = yaml.safe_load((ROOT / "profiles" / "smoke-study.yaml").read_text())
+STUDY_SMOKE = load_profile("smoke-study")
 
 
 @pytest.mark.notebook
@@ -92,7 +92,7 @@ def test_study_notebooks_run_on_a_tiny_model_folder(smollm2, smoke_env, tmp_path
     folder = save_tiny_llama(tmp_path / "tiny-study", smollm2[1], hidden_size=32,
                              num_attention_heads=2, num_key_value_heads=1)
     results = smoke_env["results"] / "smoke-study"
-    params = {**{k: v for k, v in STUDY_SMOKE.items() if k != "notebooks"},
+    params = {**{k: v for k, v in parameters(STUDY_SMOKE).items() if k != "notebooks"},
               "profile": "smoke-study", "models": str(folder)}
     for source in select_notebooks(STUDY_SMOKE):
         run_notebook(source, params, results, tmp_path)

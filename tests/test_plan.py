@@ -8,6 +8,7 @@ from conftest import TINY, tiny_model
 
 from actwave.stats import blockstats
 from actwave.stats.metrics import StreamingLayerStats
+from actwave.profile import parameters
 from actwave.tools import plan
 from actwave.tools.runplan import load_profile
 
@@ -51,7 +52,7 @@ def test_committed_rates_parse_and_a_missing_row_is_named(tmp_path):
 def test_statistics_lines_equal_the_accumulator_formulas(tiny_config):
     shape = plan.model_shape(tiny_config)
     rates = dict.fromkeys(("capture", "regenerate", "stats", "train", "eval"), 1e9)
-    profile = {**load_profile("cpu"), "notebooks": "02"}
+    profile = {**parameters(load_profile("cpu")), "notebooks": "02"}
     budget = blockstats.fixed_bytes(5, 64) + 3 * 8 * 64 * 64
     lines = plan.plan_needs(shape, profile, rates, "block_pairs", budget)
     assert lines[0].bytes_needed == StreamingLayerStats.accumulator_bytes(5, 64)
@@ -72,11 +73,11 @@ def test_plan_prints_every_step_and_fits(tiny_config, capsys):
 
 def test_plan_refuses_naming_the_setting_to_change(tiny_config, capsys):
     assert plan.main(["--model", tiny_config, "--disk-gib", "0.001"]) == 2
-    assert "change analysis_sequences or max_seq_len" in capsys.readouterr().err
+    assert "change capture.n_sequences or capture.max_seq_len" in capsys.readouterr().err
     assert plan.main(["--model", tiny_config, "--memory-gib", "0.001", "--disk-gib", "10"]) == 2
     err = capsys.readouterr().err
     assert "02 statistics, all_pairs route: needs" in err and "route='block_pairs'" in err
-    assert "change batch_size, train_max_seq_len or draft_vocab_size" in err
+    assert "change train.batch_size, train.max_seq_len or train.draft_vocab_size" in err
 
 
 def test_llama_8b_gpu_plan_refuses_disk_and_points_to_the_block_route(capsys):

@@ -1,5 +1,6 @@
 """The install files agree (environment.yml installs requirements.txt, pyproject declares
-every import); CI calls the README command; the profiles are the only parameter defaults."""
+every import); CI calls the README command; the profiles are the only parameter defaults:
+every notebook parameter is derived from its profile (``actwave.profile.parameters``)."""
 import ast
 import re
 import sys
@@ -7,6 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from actwave.profile import parameters
+from actwave.tools.runplan import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
@@ -83,7 +87,9 @@ def notebook_defaults(source: Path) -> dict[str, object]:
 
 
 def drift(profile: dict, sources: list[Path]) -> list[str]:
-    """Every way the notebooks' defaults and the reference profile disagree (empty: none)."""
+    """Every way the notebooks' defaults and the reference profile's parameters disagree
+    (empty: none)."""
+    profile = parameters(profile)
     problems, used = [], set()
     for source in sources:
         for name, default in notebook_defaults(source).items():
@@ -103,7 +109,7 @@ def drift(profile: dict, sources: list[Path]) -> list[str]:
 @pytest.mark.parametrize("reference", ["cpu", "study"])
 def test_notebook_defaults_are_their_profile(reference):
     """cpu's notebooks (01-07) default to cpu.yaml, the study's (08-...) to study.yaml."""
-    profile = yaml.safe_load((ROOT / "profiles" / f"{reference}.yaml").read_text())
+    profile = load_profile(reference)
     listed = {f"{int(n):02d}" for n in str(profile["notebooks"]).split(",")}
     sources = [source for source in NOTEBOOKS if source.name[:2] in listed]
     assert not drift(profile, sources), "\n".join(drift(profile, sources))
@@ -127,14 +133,24 @@ def test_drift_is_caught(tmp_path):
 
 
 @pytest.mark.parametrize("profile", PROFILES, ids=[p.stem for p in PROFILES])
-def test_profiles_set_only_known_flat_parameters(profile):
+def test_profiles_set_only_known_parameters(profile):
     params = {name: value for source in NOTEBOOKS
               for name, value in notebook_defaults(source).items()}
-    values = yaml.safe_load(profile.read_text())
+    values = parameters(load_profile(profile.stem))  # refuses unknown sections, keys, lists
     unknown = sorted(set(values) - set(params) - set(RUNNER_KEYS))
     assert not unknown, f"{profile.name}: {unknown} is not a parameter of any notebook"
     for name, value in values.items():
-        assert isinstance(value, (str, int, float, bool)), f"{profile.name}: {name} not flat"
         default = params.get(name, value)
         assert isinstance(value, type(default)) or isinstance(default, float), \
             f"{profile.name}: {name}={value!r} but the notebooks' default is {default!r}"
+
+
+def test_profile_sections_are_checked():
+    assert parameters({"seed": 0, "train": {"total_steps": 4, "max_seq_len": 9}}) == \
+        {"seed": 0, "total_steps": 4, "train_max_seq_len": 9}
+    for bad, message in (({"trian": {"lr": 1.0}}, "unknown profile section 'trian'"),
+                         ({"train": {"train_steps": 4}}, r"\['train_steps'\] are not parameters"),
+                         ({"eval": {"benchmarks": ["a"]}}, r"must be scalars"),
+                         ({"models": ["a"]}, "a scalar or a section")):
+        with pytest.raises(ValueError, match=message):
+            parameters(bad)

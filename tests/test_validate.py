@@ -35,14 +35,14 @@ def test_candidates_are_distinct_proxy_picks_ranked_by_percentile():
 
 
 def test_budget_falls_back_to_the_study_budget_until_rank_stability_exists(tmp_path):
-    budget = validate.default_budget("smollm2-135m", {"train_steps": 64}, tmp_path)
+    budget = validate.default_budget("smollm2-135m", {"study": {"train_steps": 64}}, tmp_path)
     assert budget.steps == 64 and budget.note == validate.NOT_MEASURED
-    assert budget.source.startswith("train_steps of profiles/study.yaml")
+    assert budget.source.startswith("study.train_steps of profiles/study.yaml")
     assert "rank stability across budgets not yet measured" in budget.note
     (tmp_path / "12_rank_stability.csv").write_text(
         "model,train_steps,predicts\nsmollm2-135m,32,false\nsmollm2-135m,128,true\n"
         "smollm2-135m,256,true\ngemma3-270m,64,true\n")
-    budget = validate.default_budget("smollm2-135m", {"train_steps": 64}, tmp_path)
+    budget = validate.default_budget("smollm2-135m", {"study": {"train_steps": 64}}, tmp_path)
     assert (budget.steps, budget.note) == (128, None)
     assert "12_rank_stability.csv" in budget.source
 

@@ -14,9 +14,11 @@ writes it.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from actwave import profile
 from actwave.capture.models import model_digest, slug
 from actwave.capture.store import CaptureConfig, CaptureStore, store_dir
 from actwave.config import artifact_dir, cache_dir, to_jsonable
@@ -33,29 +35,22 @@ def names(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def capture_configs(models: str, train_models: str, *, seed: int, capture_dtype: str,
-                    train_capture_dtype: str, train_source: str, regen_new_tokens: int,
-                    analysis_sequences: int, train_sequences: int, max_seq_len: int,
-                    capture_batch_size: int) -> dict[tuple[str, str], CaptureConfig]:
+def capture_configs(models: str, train_models: str,
+                    values: Mapping[str, Any]) -> dict[tuple[str, str], CaptureConfig]:
     """{(model, split): CaptureConfig} notebook 01 captures, every analysis split first.
 
-    Every model gets an ``analysis`` split of original ShareGPT replies; the models of
-    ``train_models`` also get a ``train`` split (``train_source`` replies). Arguments are
-    the profile keys of the same names; no defaults, the profile is the only source.
+    Every model gets an ``analysis`` split (the ``capture`` section of ``values``, original
+    ShareGPT replies); the models of ``train_models`` also get a ``train`` split (the
+    ``train_capture`` section). ``values``: flat profile parameters (``actwave.profile``).
     """
     model_names, trained = names(models), names(train_models)
     unknown = [name for name in trained if name not in model_names]
     if unknown:
         raise ValueError(f"train_models {unknown} are not in models {model_names}")
-    common = dict(max_seq_len=max_seq_len, batch_size=capture_batch_size, seed=seed)
-    configs = {(name, "analysis"): CaptureConfig(
-        model=name, split="analysis", n_sequences=analysis_sequences, dtype=capture_dtype,
-        source="sharegpt", **common) for name in model_names}
-    # regen_new_tokens keys a store only when replies are regenerated (else it is unused).
-    regen = {"regen_new_tokens": regen_new_tokens} if train_source == "regenerated" else {}
-    configs.update({(name, "train"): CaptureConfig(
-        model=name, split="train", n_sequences=train_sequences, dtype=train_capture_dtype,
-        source=train_source, **regen, **common) for name in trained})
+    configs = {(name, "analysis"): profile.build("capture", values, model=name, split="analysis")
+               for name in model_names}
+    configs.update({(name, "train"): profile.build("train_capture", values, model=name,
+                                                   split="train") for name in trained})
     return configs
 
 

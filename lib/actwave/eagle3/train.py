@@ -59,8 +59,7 @@ CHECKPOINT_TMP = ".tmp-"  # prefix of a checkpoint being written (never read)
 class TrainConfig:
     """One draft's training run (saved as ``config.json`` beside it).
 
-    Defaults are the ``cpu`` profile's values (``profiles/cpu.yaml``: ``train_steps`` →
-    ``total_steps``, ``train_max_seq_len`` → ``max_seq_len``, ``train_dtype`` → ``dtype``);
+    Defaults are the ``cpu`` profile's values (the ``train`` section of ``profiles/cpu.yaml``);
     EAGLE-3 itself trains with 7 TTT steps, lr 1e-4 and a 32k draft vocabulary (gpu profile).
     """
 

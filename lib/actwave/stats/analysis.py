@@ -98,9 +98,10 @@ def token_settings(filter_quantile: float, max_tokens: int | None = None, seed: 
     "all tokens": every non-special token; "top X% entropy" (X = 1 − ``filter_quantile``):
     predictive entropy ≥ that quantile, the hard tokens that decide acceptance;
     ``with_special`` adds "all + special" (special tokens kept) to show the effect of
-    massive activations once (docs/METHODS.md §6).
+    massive activations once (docs/METHODS.md §6). ``max_tokens`` 0 or None: every kept
+    token (0 is how a profile, which holds scalars, says it).
     """
-    common = {"max_tokens": max_tokens, "seed": seed, "matmul_dtype": matmul_dtype}
+    common = {"max_tokens": max_tokens or None, "seed": seed, "matmul_dtype": matmul_dtype}
     settings = {
         "all tokens": AnalysisConfig(filter="none", **common),
         f"top {1 - filter_quantile:.0%} entropy": AnalysisConfig(

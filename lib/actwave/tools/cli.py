@@ -14,7 +14,7 @@ Every subcommand but ``select`` hands its arguments to that module's ``main(argv
 (``actwave.capture.store``), the layer statistics for all tokens and for the top-entropy tokens
 (``actwave.stats.analysis``) and every selection method (``actwave.stats.selection_report``). The
 capture and the statistics are cached under the keys the notebooks use; the defaults are
-the ``cpu`` profile's values (``CPU_PROFILE_KEYS``), so after ``./reproduce.sh`` the
+the ``cpu`` profile's values (``profile_defaults``), so after ``./reproduce.sh`` the
 command on a bundled model reads notebooks 01–05's caches, and a rerun reads its own. It
 prints each method's set with its scores and percentiles next to the EAGLE-3 default's,
 and what the layer-set study found of them (the proxies measure hidden states, not draft
@@ -36,23 +36,19 @@ from pathlib import Path
 
 import torch
 
-from actwave.capture.store import CaptureConfig, run_capture
+from actwave.capture.store import run_capture
 from actwave.config import atomic_write_json, repo_root
 from actwave.eagle3.export import ENGINES, engine_layer_ids
+from actwave.profile import build, parameters
 from actwave.stats import analysis, selection_report
 from actwave.stats.selection import METHODS
 from actwave.tools import validate
+from actwave.tools.runplan import load_profile
 
+CPU_PROFILE = "cpu"  # the profile whose values the select options default to
 COLUMNS = (("renyi2", "H2 nats", "{:.4f}"), ("renyi2_pct", "H2 pct", "{:.1f}"),
            ("logdet_pct", "logdet pct", "{:.1f}"), ("entropy_sum_pct", "sum H1 pct", "{:.1f}"),
            ("dispersion_pct", "dispersion pct", "{:.1f}"))
-
-# command-line option -> the profiles/cpu.yaml key its default equals (tests/test_cli.py)
-CPU_PROFILE_KEYS = {"sequences": "analysis_sequences", "max_seq_len": "max_seq_len",
-                    "filter_quantile": "filter_quantile", "dtype": "capture_dtype",
-                    "batch_size": "capture_batch_size", "matmul_dtype": "stats_matmul_dtype",
-                    "seed": "seed"}
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actwave", description=__doc__.split("\n")[0])
@@ -69,13 +65,16 @@ def add_select_parser(commands) -> None:
     select.add_argument("--model", required=True,
                         help="bundled name (smollm2-135m, gemma3-270m), HF id in the local "
                              "cache, or a local folder")
-    select.add_argument("--k", type=int, default=3, help="layers per set (default 3)")
-    select.add_argument("--sequences", type=int, default=64,
-                        help="ShareGPT analysis conversations to capture (default 64)")
-    select.add_argument("--max-seq-len", type=int, default=512, help="tokens per sequence")
-    select.add_argument("--filter-quantile", type=float, default=0.5,
+    # Options named (dest) as profile parameters default to the cpu profile's values, so the
+    # command reads the caches ./reproduce.sh left (same capture and statistics keys).
+    select.add_argument("--k", type=int, help="layers per set (default %(default)s)")
+    select.add_argument("--sequences", dest="capture_n_sequences", type=int,
+                        help="ShareGPT analysis conversations to capture (default %(default)s)")
+    select.add_argument("--max-seq-len", dest="capture_max_seq_len", type=int,
+                        help="tokens per sequence (default %(default)s)")
+    select.add_argument("--filter-quantile", type=float,
                         help="keep tokens whose predictive entropy is ≥ this quantile")
-    select.add_argument("--max-tokens", type=int, default=0,
+    select.add_argument("--max-tokens", type=int,
                         help="subsample the kept tokens to this many (0 = all)")
     select.add_argument("--method", action="append", choices=sorted(METHODS),
                         help="selection method(s) to run (repeatable; default: all). The "
@@ -84,14 +83,26 @@ def add_select_parser(commands) -> None:
                              "or wide models")
     select.add_argument("--engine", action="append", choices=sorted(ENGINES),
                         help="engine(s) to print ids for (repeatable; default: all)")
+    # The device is this machine's, not the profile's.
     select.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    select.add_argument("--dtype", default="float32", help="target compute dtype for capture")
-    select.add_argument("--batch-size", type=int, default=4, help="capture batch size")
-    select.add_argument("--matmul-dtype", default="float32", choices=analysis.MATMUL_DTYPES,
+    select.add_argument("--dtype", dest="capture_dtype",
+                        help="target compute dtype for capture (default %(default)s)")
+    select.add_argument("--batch-size", dest="capture_batch_size", type=int,
+                        help="capture batch size (default %(default)s)")
+    select.add_argument("--matmul-dtype", choices=analysis.MATMUL_DTYPES,
                         help="precision of the per-chunk cross products (sums stay float64)")
-    select.add_argument("--seed", type=int, default=0)
+    select.add_argument("--seed", type=int)
     select.add_argument("--json", type=Path, help="also write the full result to this file")
     validate.add_arguments(select)
+    select.set_defaults(**profile_defaults(select, CPU_PROFILE))
+
+
+def profile_defaults(parser: argparse.ArgumentParser, name: str) -> dict:
+    """{dest: value} of profile ``name``'s parameters for the options of ``parser`` named as
+    one (``actwave.profile``) and without a default of their own."""
+    values = parameters(load_profile(name))
+    return {action.dest: values[action.dest] for action in parser._actions
+            if action.dest in values and action.default is None}
 
 
 def run_select(args: argparse.Namespace) -> dict:
@@ -101,14 +112,12 @@ def run_select(args: argparse.Namespace) -> dict:
     the statistics by the store's content digest: new weights at the same path, or another
     model under the same folder name, never reuse an old store or its statistics."""
     tic = time.perf_counter()
-    store = run_capture(CaptureConfig(
-        model=args.model, split="analysis", n_sequences=args.sequences,
-        max_seq_len=args.max_seq_len, batch_size=args.batch_size, dtype=args.dtype,
-        seed=args.seed), device=args.device)
+    values = vars(args)
+    store = run_capture(build("capture", values, model=args.model, split="analysis"),
+                        device=args.device)
     num_layers = store.num_layers
-    settings = analysis.token_settings(args.filter_quantile, max_tokens=args.max_tokens or None,
-                                       seed=args.seed, matmul_dtype=args.matmul_dtype)
-    config = selection_report.SelectionConfig(k=args.k, seed=args.seed)
+    settings = build("analysis", values)
+    config = build("selection", values)
     methods = _methods(config, num_layers, args.method)
     token_sets = {label: _token_set(store, setting, methods, args)
                   for label, setting in settings.items()}
@@ -320,9 +329,9 @@ def _select(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _select_args_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the sizes given to ``select`` (None if nothing)."""
-    for flag, value, low in (("--k", args.k, 1), ("--sequences", args.sequences, 1),
-                             ("--max-seq-len", args.max_seq_len, 2),
-                             ("--batch-size", args.batch_size, 1)):
+    for flag, value, low in (("--k", args.k, 1), ("--sequences", args.capture_n_sequences, 1),
+                             ("--max-seq-len", args.capture_max_seq_len, 2),
+                             ("--batch-size", args.capture_batch_size, 1)):
         if value < low:
             return f"{flag} must be ≥ {low}, got {value}"
     if args.max_tokens != 0 and args.max_tokens < 4:

@@ -31,6 +31,7 @@ from actwave.config import cache_dir, repo_root
 from actwave.stats.analysis import available_bytes
 from actwave.stats.blockstats import pair_schedule, peak_bytes
 from actwave.stats.metrics import StreamingLayerStats
+from actwave.profile import build, parameters, section
 from actwave.tools.runplan import Refusal, load_profile
 
 GIB = 2**30
@@ -242,24 +243,26 @@ def _tokens(sequences: int, max_seq_len: int) -> int:
 
 
 def capture_needs(shape: Shape, p: dict, rates: dict, train: bool) -> list[Need]:
-    """Notebook 01: the analysis store, and for a draft model the train store (after
-    regenerating its replies when ``train_source`` is 'regenerated')."""
+    """Notebook 01: the analysis store (section ``capture``), and for a draft model the train
+    store (``train_capture``, after regenerating its replies when its source is 'regenerated')."""
     per_token = (shape.layers + 1) * shape.dim * 2 + COLUMN_BYTES
-    splits = [("analysis", int(p["analysis_sequences"]), "analysis_sequences")]
+    sections = [("analysis", section(p, "capture"), "capture")]
     needs = []
     if train:
-        splits.append(("train", int(p["train_sequences"]), "train_sequences"))
-        if p.get("train_source") == "regenerated":
-            new = int(p["train_sequences"]) * int(p["regen_new_tokens"])
-            needs.append(Need("01 regenerate train replies",
-                              f"{p['train_sequences']} replies × ≤ {p['regen_new_tokens']} tokens",
+        capture = section(p, "train_capture")
+        sections.append(("train", capture, "train_capture"))
+        if capture.get("source") == "regenerated":
+            new = capture["n_sequences"] * capture["regen_new_tokens"]
+            needs.append(Need("01 regenerate train replies", f"{capture['n_sequences']} replies "
+                              f"× ≤ {capture['regen_new_tokens']} tokens",
                               new * shape.forward_flops / rates["regenerate"]))
-    for split, sequences, key in splits:
-        tokens = _tokens(sequences, int(p["max_seq_len"]))
+    for split, capture, name in sections:
+        sequences, length = capture["n_sequences"], capture["max_seq_len"]
+        tokens = _tokens(sequences, length)
         needs.append(Need(f"01 capture {split} store",
-                          f"{sequences} seqs × ≤ {p['max_seq_len']} ≈ {tokens:,} tokens × "
+                          f"{sequences} seqs × ≤ {length} ≈ {tokens:,} tokens × "
                           f"{per_token / 1e3:.1f} kB", tokens * shape.forward_flops / rates["capture"],
-                          tokens * per_token, "disk", f"{key} or max_seq_len"))
+                          tokens * per_token, "disk", f"{name}.n_sequences or {name}.max_seq_len"))
     return needs
 
 
@@ -267,7 +270,7 @@ def stats_needs(shape: Shape, p: dict, rates: dict, route: str, budget: float,
                 where: str) -> list[Need]:
     """Notebooks 02-05: per token set one pass (all-pairs) or several (block-pairs)."""
     L, d = shape.layers + 1, shape.dim
-    tokens = _tokens(int(p["analysis_sequences"]), int(p["max_seq_len"]))
+    tokens = _tokens(int(p["capture_n_sequences"]), int(p["capture_max_seq_len"]))
     seconds = 2.5 * tokens * L * (L + 1) * d * d / rates["stats"]  # sets: all, top half, all+sp.
     all_pairs = StreamingLayerStats.accumulator_bytes(L, d)
     minimum = peak_bytes(L, d, _block_minimum(L, d))
@@ -297,20 +300,21 @@ def _block_minimum(L: int, d: int) -> int:
 
 def train_needs(shape: Shape, p: dict, rates: dict, where: str, n_drafts: int) -> list[Need]:
     """Notebook 06: the train split's k+1 layers in host memory, then one draft at a time."""
-    k, seq = int(p["k"]), int(p["train_max_seq_len"])
-    tokens = _tokens(int(p["train_sequences"]), int(p["max_seq_len"]))
+    k, t = int(p["k"]), section(p, "train")
+    seq, batch = t["max_seq_len"], t["batch_size"]
+    tokens = _tokens(int(p["train_capture_n_sequences"]), int(p["train_capture_max_seq_len"]))
     data = tokens * (k + 1) * shape.dim * 2
-    parts = draft_train_bytes(shape, k, int(p["draft_vocab_size"]), int(p["ttt_steps"]),
-                              int(p["batch_size"]), seq, 4)
-    per_draft = int(p["train_steps"]) * int(p["batch_size"]) * seq * FILL
-    flops = per_draft * draft_train_flops_per_token(shape, k, int(p["draft_vocab_size"]),
-                                                    int(p["ttt_steps"]), seq)
+    parts = draft_train_bytes(shape, k, t["draft_vocab_size"], t["ttt_steps"], batch, seq, 4)
+    per_draft = t["total_steps"] * batch * seq * FILL
+    flops = per_draft * draft_train_flops_per_token(shape, k, t["draft_vocab_size"],
+                                                    t["ttt_steps"], seq)
     detail = ", ".join(f"{name} {_gib(value)}" for name, value in parts.items())
     return [Need("06 train states in memory", f"{tokens:,} tokens × {k + 1} layers × d × 2 B",
-                 None, data, "host", "train_sequences"),
-            Need(f"06 train {n_drafts} drafts", f"per draft {p['train_steps']} steps × "
-                 f"{p['batch_size']} × {seq}: {detail}", n_drafts * flops / rates["train"],
-                 sum(parts.values()), where, "batch_size, train_max_seq_len or draft_vocab_size")]
+                 None, data, "host", "train_capture.n_sequences"),
+            Need(f"06 train {n_drafts} drafts", f"per draft {t['total_steps']} steps × "
+                 f"{batch} × {seq}: {detail}", n_drafts * flops / rates["train"],
+                 sum(parts.values()), where,
+                 "train.batch_size, train.max_seq_len or train.draft_vocab_size")]
 
 
 def eval_needs(shape: Shape, p: dict, rates: dict, n_methods: int = 9) -> list[Need]:
@@ -339,8 +343,9 @@ def study_drafts(p: dict, extra_k: bool) -> int:
 def study_needs(shape: Shape, p: dict, rates: dict, where: str, extra_k: bool) -> list[Need]:
     """Notebooks 08-11 of the layer-set study for one model, from the study profile's keys."""
     per_token = (shape.layers + 1) * shape.dim * 2 + COLUMN_BYTES
-    splits = {"train": int(p["study_train_sequences"]), "eval": int(p["study_eval_sequences"])}
-    seq, new = int(p["study_max_seq_len"]), int(p["regen_new_tokens"])
+    study = section(p, "study")
+    splits = {"train": study["train_sequences"], "eval": study["eval_sequences"]}
+    seq, new = study["max_seq_len"], study["regen_new_tokens"]
     needs = [Need("08 regenerate train + eval replies",
                   f"{sum(splits.values())} replies × ≤ {new} tokens",
                   sum(splits.values()) * new * shape.forward_flops / rates["regenerate"])]
@@ -349,39 +354,40 @@ def study_needs(shape: Shape, p: dict, rates: dict, where: str, extra_k: bool) -
         needs.append(Need(f"08 capture {split} store", f"{sequences} seqs × ≤ {seq} ≈ "
                           f"{tokens:,} tokens × {per_token / 1e3:.1f} kB",
                           tokens * shape.forward_flops / rates["capture"], tokens * per_token,
-                          "disk", f"study_{split}_sequences or study_max_seq_len"))
-    drafts, steps = study_drafts(p, extra_k), int(p["train_steps"])
-    runs = drafts * steps + int(p["curve_factor"]) * steps  # + the default's learning curve
-    flops = draft_train_flops_per_token(shape, 3, int(p["draft_vocab_size"]), int(p["ttt_steps"]), seq)
-    parts = draft_train_bytes(shape, 3, int(p["draft_vocab_size"]), int(p["ttt_steps"]),
-                              int(p["batch_size"]), seq, 4)
+                          "disk", f"study.{split}_sequences or study.max_seq_len"))
+    drafts, steps, batch = study_drafts(p, extra_k), study["train_steps"], study["batch_size"]
+    runs = drafts * steps + study["curve_factor"] * steps  # + the default's learning curve
+    vocab, ttt = study["draft_vocab_size"], study["ttt_steps"]
+    flops = draft_train_flops_per_token(shape, 3, vocab, ttt, seq)
+    parts = draft_train_bytes(shape, 3, vocab, ttt, batch, seq, 4)
     needs.append(Need(f"08 train ≤ {drafts} drafts + curve",
-                      f"{steps} steps × {p['batch_size']} × ≤ {seq} each, the default's curve "
-                      f"{p['curve_factor']}× as long",
-                      runs * int(p["batch_size"]) * seq * FILL * flops / rates["train"],
-                      sum(parts.values()), where, "batch_size, study_max_seq_len or draft_vocab_size"))
+                      f"{steps} steps × {batch} × ≤ {seq} each, the default's curve "
+                      f"{study['curve_factor']}× as long",
+                      runs * batch * seq * FILL * flops / rates["train"], sum(parts.values()),
+                      where, "study.batch_size, study.max_seq_len or study.draft_vocab_size"))
     report = Need("10 study report", "reads the records of 08-09; permutation tests", None)
     return needs + decode_needs(shape, p, rates) + [report] + sensitivity_needs(shape, p, rates)
 
 
 def decode_needs(shape: Shape, p: dict, rates: dict, n_methods: int = 4) -> list[Need]:
-    """Notebook 09: chain speculative decoding of every benchmark reply (MT-bench: 2 turns)."""
-    turns = sum(2 if name == "mtbench" else 1 for name in str(p["decode_benchmarks"]).split(","))
-    replies = turns * int(p["decode_prompts"])
-    tokens = n_methods * replies * int(p["decode_new_tokens"])
+    """Notebook 09: chain speculative decoding of every benchmark reply (MT-bench: max_turns)."""
+    turns = sum(int(p["max_turns"]) if name == "mtbench" else 1
+                for name in str(p["benchmarks"]).split(","))
+    replies = turns * int(p["n_prompts"])
+    tokens = n_methods * replies * int(p["max_new_tokens"])
     return [Need("09 decoding check", f"{n_methods} methods × {replies} replies × "
-                 f"{p['decode_new_tokens']} tokens", tokens * shape.forward_flops / rates["eval"])]
+                 f"{p['max_new_tokens']} tokens", tokens * shape.forward_flops / rates["eval"])]
 
 
 def sensitivity_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
     """Notebook 11: one statistics pass per token-filter variant (the kept share 1 − q of the
     analysis tokens), and the compartment bootstrap's CKA Grams on ≤ ``boot_tokens``."""
     L, d = shape.layers + 1, shape.dim
-    tokens = _tokens(int(p["analysis_sequences"]), int(p["max_seq_len"]))
+    tokens = _tokens(int(p["capture_n_sequences"]), int(p["capture_max_seq_len"]))
     quantiles = [float(q) for key in ("sensitivity_quantiles", "normalized_quantiles")
                  for q in str(p[key]).split(",")]
     kept = sum(1 - q for q in quantiles)
-    n, boots = int(p["boot_tokens"]), int(p["n_boot_compartments"])
+    n, boots = int(p["boot_tokens"]), int(p["n_boot"])
     gram_flops = boots * (2 * L * n * n * d + 2 * L * L * n * n)
     return [Need("11 filter variants", f"{len(quantiles)} statistics passes over "
                  f"{kept:.2f} × {tokens:,} tokens", kept * tokens * L * (L + 1) * d * d / rates["stats"]),
@@ -389,7 +395,6 @@ def sensitivity_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
                  gram_flops / rates["stats"])]
 
 
-LONGRUN_SEQ_LEN = 320  # actwave.study.longrun.LongRunConfig.max_seq_len
 LONGRUN_FILL = 147_013 / (768 * 320)  # regenerated sequences fill 60% of 320 (results/benchmarks/draft.json)
 KEY_SETS = 6           # the pre-registered sets (actwave.study.longrun.key_sets)
 
@@ -397,19 +402,17 @@ KEY_SETS = 6           # the pre-registered sets (actwave.study.longrun.key_sets
 def longrun_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
     """Notebook 12: one WSD run per (set, seed), online (a target forward per step besides the
     draft's training), and one offline scoring of the held-out text per scored budget."""
-    from actwave.eagle3.schedule import WSDSchedule, cost
+    from actwave.eagle3.schedule import cost
 
-    budgets = tuple(int(m) * int(p["longrun_base_steps"])
-                    for m in str(p["longrun_multipliers"]).split(","))
-    steps = cost(WSDSchedule(int(p["longrun_warmup_steps"]), budgets,
-                             min_decay=int(p["longrun_min_decay"])))["wsd"]
+    config = build("longrun", p, model=shape.name)
+    budgets, seq = config.budgets, config.max_seq_len
+    steps = cost(config.schedule())["wsd"]
     named = [x for x in str(p.get("longrun_sets", "")).split(",") if x.strip()]
     runs = (len(named) if named and named != ["all"] else KEY_SETS) * int(p["longrun_seeds"])
-    tokens = runs * steps * int(p["batch_size"]) * LONGRUN_SEQ_LEN * LONGRUN_FILL
-    draft = draft_train_flops_per_token(shape, 3, int(p["draft_vocab_size"]),
-                                        int(p["ttt_steps"]), LONGRUN_SEQ_LEN)
+    tokens = runs * steps * config.batch_size * seq * LONGRUN_FILL
+    draft = draft_train_flops_per_token(shape, 3, config.draft_vocab_size, config.ttt_steps, seq)
     train = tokens * (draft / rates["train"] + shape.forward_flops / rates["capture"])
-    scored = runs * len(budgets) * int(p["longrun_eval_conversations"]) * LONGRUN_SEQ_LEN * LONGRUN_FILL
+    scored = runs * len(budgets) * int(p["longrun_eval_conversations"]) * seq * LONGRUN_FILL
     return [Need(f"12 long runs: {runs} (set, seed) × {steps} steps",
                  f"budgets {budgets}, decayed branches of one WSD run each (training, online)",
                  train),
@@ -533,7 +536,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        profile = {**load_profile("cpu"), **load_profile(args.profile)}  # unset keys: cpu's
+        # flat parameters (actwave.profile); keys the profile does not set: the cpu profile's
+        profile = {**parameters(load_profile("cpu")), **parameters(load_profile(args.profile))}
         summary = Path(args.rates) if Path(args.rates).is_absolute() else repo_root() / args.rates
         rates, limits = read_rates(summary), _limits(args, profile)
         where = "device" if str(profile.get("device", "cpu")).startswith("cuda") else "host"

@@ -7,7 +7,8 @@ an unknown or path-like profile, an ``--only`` that names no notebook of the pro
 HF cache.
 
 ``python -m actwave.tools.runplan run NOTEBOOK --profile P [--model ID]`` executes one notebook
-with papermill into ``results/<profile>/``, passing only the profile keys the notebook
+with papermill into ``results/<profile>/``, passing only the profile's parameters
+(``actwave.profile.parameters``: a section's keys named as notebook parameters) the notebook
 declares in its ``parameters`` cell (papermill warns about any other), on a kernel whose
 sockets are CurveZMQ-encrypted (ipykernel warns about plain TCP). The log shows the
 notebook's own output and progress bars, then the files the step wrote.
@@ -30,6 +31,7 @@ import yaml
 from jupyter_client import KernelManager
 
 from actwave.config import repo_root, results_dir
+from actwave.profile import parameters
 
 PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 PARAMETERS_MARKER = '# %% tags=["parameters"]\n'
@@ -53,10 +55,15 @@ def profile_path(name: str, root: Path | None = None) -> Path:
 
 
 def load_profile(name: str, root: Path | None = None) -> dict:
-    """The profile's flat {key: value} mapping."""
+    """The profile's {key: value or section} mapping (``actwave.profile``), checked: every
+    section and key is known and every value a scalar."""
     values = yaml.safe_load(profile_path(name, root).read_text()) or {}
     if not isinstance(values, dict):
-        raise Refusal(f"profile {name!r} is not a flat YAML mapping of key: value")
+        raise Refusal(f"profile {name!r} is not a YAML mapping of key: value")
+    try:
+        parameters(values)
+    except ValueError as err:
+        raise Refusal(f"profile {name!r}: {err}") from None
     return values
 
 
@@ -124,11 +131,13 @@ def notebook_parameters(source: Path) -> list[str]:
             for target in node.targets if isinstance(target, ast.Name)]
 
 
-def notebook_values(source: Path, profile_name: str, profile: dict, model: str = "") -> dict:
-    """The parameters one notebook receives: the declared subset of the profile, the
-    profile name, and ``--model`` in place of the model lists."""
+def notebook_values(source: Path, profile_name: str, profile_values: dict,
+                    model: str = "") -> dict:
+    """The parameters one notebook receives: the declared subset of the profile's
+    parameters (``actwave.profile.parameters``), the profile name, and ``--model`` in place
+    of the model lists."""
     declared = set(notebook_parameters(source))
-    values = {**profile, "profile": profile_name}
+    values = {**parameters(profile_values), "profile": profile_name}
     if model:
         values.update(models=model, train_models=model)
     return {key: value for key, value in values.items()

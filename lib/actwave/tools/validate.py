@@ -31,7 +31,7 @@ import argparse
 import csv
 import math
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -39,6 +39,7 @@ from tqdm import tqdm
 from actwave.config import cache_dir, config_hash, results_dir
 from actwave.stats.selection import eagle3_default
 from actwave.study import runs, stats as study_stats
+from actwave.profile import build, parameters
 from actwave.tools.runplan import load_profile
 
 RULE = ("recommend the EAGLE-3 default unless a candidate's Δτ̂ vs the default has a one-sided "
@@ -115,15 +116,15 @@ def default_budget(slug: str, profile: dict, results: Path | None = None,
     Looked up in the study's rank-stability table (``results/study/*rank_stability*.csv``,
     columns ``model``, ``train_steps``, ``predicts``: the smallest ``train_steps`` whose
     ``predicts`` is true for this model). Until that table exists, the study profile's
-    per-draft budget (``train_steps`` of ``profile``) with ``NOT_MEASURED`` as the note.
+    per-draft budget (``study.train_steps`` of ``profile``) with ``NOT_MEASURED`` as the note.
     """
     results = Path(results or results_dir(STUDY_PROFILE))
     for table in sorted(results.glob(RANK_STABILITY_GLOB)):
         steps = _stable_steps(table, slug)
         if steps is not None:
             return Budget(steps, f"{table.name} (rank stability)")
-    return Budget(int(profile["train_steps"]), f"train_steps of profiles/{profile_name}.yaml, "
-                  "the study's per-draft budget", NOT_MEASURED)
+    return Budget(int(profile["study"]["train_steps"]), f"study.train_steps of "
+                  f"profiles/{profile_name}.yaml, the study's per-draft budget", NOT_MEASURED)
 
 
 def _stable_steps(table: Path, slug: str) -> int | None:
@@ -174,23 +175,17 @@ def set_label(layers) -> str:
 
 # ----------------------------------------------------------------------------- the config
 def study_config(model: str, profile: dict, steps: int) -> runs.StudyConfig:
-    """The study's data and training settings (as notebook 08 maps ``profile``) at ``steps``.
+    """The study's data and training settings (the ``study`` section of ``profile``, as
+    notebook 08 builds them) at ``steps``.
 
     Set-choice fields are fixed (n_seeds=1, n_random=0, extra_k="", curve_factor=1) so the
     record keys depend only on data, training and scoring: --seeds or --candidates can grow
     and a rerun keeps every finished draft.
     """
-    p = profile
-    return runs.StudyConfig(
-        model=model, seed=int(p["seed"]), train_sequences=int(p["study_train_sequences"]),
-        eval_sequences=int(p["study_eval_sequences"]), max_seq_len=int(p["study_max_seq_len"]),
-        regen_new_tokens=int(p["regen_new_tokens"]), eval_new_tokens=int(p["eval_new_tokens"]),
-        capture_batch_size=int(p["capture_batch_size"]), capture_dtype=str(p["capture_dtype"]),
-        train_steps=steps, warmup_steps=min(int(p["warmup_steps"]), steps),
-        batch_size=int(p["batch_size"]), ttt_steps=int(p["ttt_steps"]), lr=float(p["lr"]),
-        draft_vocab_size=int(p["draft_vocab_size"]), train_dtype=str(p["train_dtype"]),
-        checkpoint_every=min(int(p["checkpoint_every"]), steps), depth=int(p["offline_depth"]),
-        tree_top_k=int(p["offline_top_k"]), n_random=0, n_seeds=1, extra_k="", curve_factor=1)
+    config = build("study", parameters(profile), model=model)
+    return replace(config, train_steps=steps, warmup_steps=min(config.warmup_steps, steps),
+                   checkpoint_every=min(config.checkpoint_every, steps), n_random=0, n_seeds=1,
+                   extra_k="", curve_factor=1)
 
 
 def records_dir(slug: str, config: runs.StudyConfig) -> Path:
