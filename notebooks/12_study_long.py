@@ -45,6 +45,14 @@ longrun_eval_conversations = 400
 longrun_max_jobs = -1  # -1: every missing job; 0: report the committed records only
 n_bootstrap = 1000
 n_permutations = 10000
+# decoding check of the seed-0 drafts at the largest budget (EvalConfig; chain depth = ttt_steps)
+eval_dtype = "float32"
+benchmarks = "mtbench,humaneval,sharegpt"
+longrun_decode_prompts = 20  # per benchmark
+max_turns = 2
+longrun_decode_new_tokens = 64
+routes = "measured"  # "stock": F.linear as shipped (actwave.decoding.linear_routes)
+acceptance_prompts = 16  # held-out ShareGPT greedy replies behind the auto shape
 
 # %%
 import pandas as pd
@@ -102,3 +110,36 @@ if tables:
     plots.save_table(stability, f"{NOTEBOOK}_rank_stability", NOTEBOOK, results_dir,
                      sort_by=["model", "comparison", "train_steps"])
     stability
+
+# %% [markdown]
+# ## Decoding check: the trained drafts at the largest budget
+# Every set's seed-0 draft at the largest budget decodes MT-bench, HumanEval and held-out
+# ShareGPT prompts through the benchmarks' comparison (`actwave.decoding.fastpath`: the chain
+# of depth `ttt_steps`, and the auto shape, under the measured linear routes), with speedups
+# and bootstrap CIs vs our routed greedy. `walk`: per chain record, the offline walk over the
+# same greedy text (one target forward, per-position acceptance) against the decoding τ;
+# `equal` must hold for every record in float32.
+
+# %%
+decoded = {}
+for name in model_names:
+    config = build("longrun", globals(), model=name)
+    folder = longrun.results_folder(name, results_dir)
+    sets = longrun.study_sets(name, labels or None, longrun_seeds, results_dir)
+    eval_config = build("eval", globals(), model=name, n_prompts=longrun_decode_prompts,
+                        max_new_tokens=longrun_decode_new_tokens, mode="chain",
+                        depth=config.ttt_steps, peers=False)
+    result = longrun.decoding_check(name, longrun.load_records(folder),
+                                    [s.label for s in sets], max(config.budgets), eval_config,
+                                    routes, acceptance_prompts, folder / "decoding")
+    if result is None:
+        print(name, f"waiting for every set's seed-0 record at {max(config.budgets)} steps")
+        continue
+    decoded[name] = result
+    slug = model_zoo.slug(name)
+    plots.save_table(result["summary"], f"{NOTEBOOK}_decoding_{slug}", NOTEBOOK, results_dir)
+    walk = result["walk"].groupby(["label", "benchmark"], as_index=False).agg(
+        records=("equal", "size"), equal=("equal", "sum"), decoding_tau=("decoding_tau", "mean"),
+        walk_tau=("walk_tau", "mean"))
+    plots.save_table(walk, f"{NOTEBOOK}_walk_check_{slug}", NOTEBOOK, results_dir)
+    print(name, f"offline walk = decoding τ on {int(walk.equal.sum())}/{int(walk.records.sum())} records")

@@ -9,6 +9,7 @@ not.
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from actwave.profile import parameters
@@ -103,3 +104,5 @@ def test_study_notebooks_run_on_a_tiny_model_folder(smollm2, smoke_env, tmp_path
     assert [path.stat().st_mtime_ns for path in records] == stamps  # resumed from the records
     assert (results / "10_proxy_correlations.csv").exists()
     assert (results / "09_offline_vs_decoding.csv").exists()
+    walk = pd.read_csv(results / "12_study_long_walk_check_tiny-study.csv")  # the long runs' drafts decoded
+    assert len(walk) and (walk["equal"] == walk["records"]).all()

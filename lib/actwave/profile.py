@@ -115,7 +115,8 @@ def _typed(value: Any, default: Any) -> Any:
 
 def build(name: str, values: Mapping[str, Any], **per_run: Any):
     """Section ``name``'s config from flat ``values`` (see ``section``), the shared keys it
-    takes (``seed``) and the per-run arguments (``model``, ``layer_ids`` ...)."""
+    takes (``seed``) and the per-run arguments (``model``, ``layer_ids`` ...), which override
+    a value of the same key (notebook 12 decodes with its own prompt count)."""
     shared = {key: values[key] for key in SHARED if key in values and key in
               inspect.signature(builder(name)).parameters}
-    return builder(name)(**section(values, name), **shared, **per_run)
+    return builder(name)(**{**section(values, name), **shared, **per_run})

@@ -551,6 +551,41 @@ def results_folder(model: str, study_results: Path | None = None) -> Path:
     return Path(study_results or results_dir("study")) / "long" / slug(model)
 
 
+def work_folder(model: str) -> Path:
+    """``cache_dir()/longrun/<model slug>``: trunks, branches and their drafts."""
+    from actwave.capture.models import slug
+    from actwave.config import cache_dir
+
+    return cache_dir() / "longrun" / slug(model)
+
+
+def decoding_check(model: str, records: list[dict], labels, budget: int, eval_config,
+                   routes: str, acceptance_prompts: int, out_dir: Path,
+                   work_dir: Path | None = None) -> dict | None:
+    """The trained drafts decoded: every set's seed-0 draft at ``budget`` (the largest)
+    through ``fastpath.compare`` (``eval_config``'s chain, and the auto shape, under
+    ``routes``), and the offline walk of every chain record checked against its decoding τ
+    on the same greedy text (``acceptance.walk_check``). -> {"summary", "walk"}, or None
+    while a set of ``labels`` lacks that record."""
+    from actwave.capture.models import DTYPES, load, stop_token_ids
+    from actwave.decoding import acceptance, fastpath
+
+    chosen = {r["label"]: r for r in records if r["seed"] == 0 and r["budget"] == budget}
+    if not set(labels) <= set(chosen):
+        return None
+    target, tokenizer = load(model, dtype=DTYPES[eval_config.dtype])
+    dtype = next(target.parameters()).dtype
+    drafts = {label: branch_draft(chosen[label], target, work_dir or work_folder(model))
+              .to(dtype).eval() for label in labels}
+    comparison = fastpath.compare(target, tokenizer, drafts, eval_config,
+                                  stop_token_ids(tokenizer, model), routes=routes,
+                                  acceptance_prompts=acceptance_prompts, out_dir=out_dir,
+                                  run_name="12_decoding")
+    walk = acceptance.walk_check(target, drafts, comparison.runs["fixed"]["records"],
+                                 eval_config.depth)
+    return {"summary": comparison.summary(), "walk": walk}
+
+
 def load_records(folder: Path) -> list[dict]:
     """Every record under ``folder/records``, sorted by file name."""
     return [load_record(path) for path in sorted((Path(folder) / "records").glob("*.json"))]
@@ -581,13 +616,12 @@ def prepare(model: str, config: LongRunConfig, sets: list[StudySet], n_train: in
     compute (or find) the target's features for ``sets`` (``open_run``)."""
     from accelerate import Accelerator
 
-    from actwave.capture.models import DTYPES, load, slug
-    from actwave.config import cache_dir
+    from actwave.capture.models import DTYPES, load
 
     target, tokenizer = load(model, dtype=DTYPES[target_dtype], device=Accelerator().device)
     sources = text_sources(model, tokenizer, config.max_seq_len, n_train, n_eval)
     return open_run(config, target, sources["train"], sources["eval"], sets,
-                    Path(results or results_folder(model)), cache_dir() / "longrun" / slug(model),
+                    Path(results or results_folder(model)), work_folder(model),
                     features_root(model), progress)
 
 
