@@ -400,8 +400,10 @@ KEY_SETS = 6           # the pre-registered sets (actwave.study.longrun.key_sets
 
 
 def longrun_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
-    """Notebook 12: one WSD run per (set, seed), online (a target forward per step besides the
-    draft's training), and one offline scoring of the held-out text per scored budget."""
+    """Notebook 12: the target's features of the train and held-out text once (a forward
+    over each pool), one WSD run per (set, seed) trained from them (the draft's forward and
+    backward only), and one offline scoring per scored budget (the draft's unroll only,
+    ~1/3 of a training step's FLOPs per token)."""
     from actwave.eagle3.schedule import cost
 
     config = build("longrun", p, model=shape.name)
@@ -409,16 +411,19 @@ def longrun_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
     steps = cost(config.schedule())["wsd"]
     named = [x for x in str(p.get("longrun_sets", "")).split(",") if x.strip()]
     runs = (len(named) if named and named != ["all"] else KEY_SETS) * int(p["longrun_seeds"])
-    tokens = runs * steps * config.batch_size * seq * LONGRUN_FILL
+    fill = seq * LONGRUN_FILL
+    pools = (int(p["longrun_train_conversations"]) + int(p["longrun_eval_conversations"])) * fill
     draft = draft_train_flops_per_token(shape, 3, config.draft_vocab_size, config.ttt_steps, seq)
-    train = tokens * (draft / rates["train"] + shape.forward_flops / rates["capture"])
-    scored = runs * len(budgets) * int(p["longrun_eval_conversations"]) * seq * LONGRUN_FILL
-    return [Need(f"12 long runs: {runs} (set, seed) × {steps} steps",
-                 f"budgets {budgets}, decayed branches of one WSD run each (training, online)",
-                 train),
+    tokens = runs * steps * config.batch_size * fill
+    scored = runs * len(budgets) * int(p["longrun_eval_conversations"]) * fill
+    return [Need("12 long runs: target features", f"one target forward over {pools:,.0f} tokens "
+                 "(train and held-out pools)", pools * shape.forward_flops / rates["capture"]),
+            Need(f"12 long runs: {runs} (set, seed) × {steps} steps",
+                 f"budgets {budgets}, decayed branches of one WSD run each (from the features)",
+                 tokens * draft / rates["train"]),
             Need("12 long runs: scoring", f"{runs * len(budgets)} records × "
                  f"{p['longrun_eval_conversations']} held-out sequences",
-                 scored * shape.forward_flops / rates["capture"])]
+                 scored * draft / 3 / rates["train"])]
 
 
 def plan_needs(shape: Shape, profile: dict, rates: dict, route: str, budget: float,
