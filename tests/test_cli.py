@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from actwave.capture import data
+from actwave.capture.store import CaptureStore
 from actwave.eagle3.export import ENGINES, engine_reads
 from actwave.profile import build, parameters
 from actwave.tools import cli
@@ -85,6 +86,17 @@ def test_select_prints_sets_percentiles_and_engine_ids(model_folder, tmp_path, c
     assert "[1, 3, 4]" in printed and "sglang>=pr25454" in printed
     assert f"renyi2_exhaustive         {tuple(top['layers'])}" in printed
     assert f"RECOMMENDATION: {tuple(default['layers'])} (eagle3_default)" in printed
+
+
+def test_select_on_regenerated_replies_captures_the_targets_own_text(model_folder, tmp_path,
+                                                                    monkeypatch):
+    monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
+    original = run(model_folder, tmp_path)
+    regenerated = run(model_folder, tmp_path, "--source", "regenerated", "--regen-new-tokens", "8")
+    store = CaptureStore(regenerated["store"])
+    assert store.manifest["config"]["source"] == "regenerated"
+    assert regenerated["store_digest"] != original["store_digest"]
+    assert list((tmp_path / "cache" / "regenerated").iterdir())  # the replies, cached
 
 
 def test_select_says_what_the_proxies_are_evidence_of(model_folder, tmp_path, capsys):

@@ -72,6 +72,14 @@ def add_select_parser(commands) -> None:
                         help="ShareGPT analysis conversations to capture (default %(default)s)")
     select.add_argument("--max-seq-len", dest="capture_max_seq_len", type=int,
                         help="tokens per sequence (default %(default)s)")
+    select.add_argument("--source", dest="capture_source", default="sharegpt",
+                        choices=("sharegpt", "regenerated"),
+                        help="replies of the captured conversations: ShareGPT's originals, or "
+                             "the target's own greedy ones (regenerated once and cached, as a "
+                             "draft trains on them; default %(default)s)")
+    select.add_argument("--regen-new-tokens", dest="capture_regen_new_tokens", type=int,
+                        default=256, help="reply budget with --source regenerated (default "
+                                          "%(default)s)")
     select.add_argument("--filter-quantile", type=float,
                         help="keep tokens whose predictive entropy is ≥ this quantile")
     select.add_argument("--max-tokens", type=int,
