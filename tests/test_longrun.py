@@ -196,7 +196,11 @@ def test_plan_finishes_whole_budgets_first_and_status_estimates(tmp_path):
                                           f"{study_stats.REFERENCE}-s1-b64"]
     assert len(jobs) == 3 * 7
     first_big = min(i for i, j in enumerate(jobs) if j.budget == 1024)
-    assert all(i < first_big for i, j in enumerate(jobs) if j.seed == 0 and j.budget < 1024)
+    assert all(i < first_big for i, j in enumerate(jobs) if j.budget < 1024)
+    whole = longrun.plan(sets, schedule.budgets, whole_budgets=1)  # above 64: trunk by trunk
+    assert [j.name for j in whole[7:10]] == [f"{study_stats.REFERENCE}-s0-b256",
+                                             f"{study_stats.REFERENCE}-s0-b1024",
+                                             f"{study_stats.PRIMARY}-s0-b256"]
     steps = longrun.job_steps(jobs, schedule)
     trunk = [steps[j] for j in jobs if (j.label, j.seed) == ("zeta", 0)]
     assert sum(trunk) == schedule.trunk_steps + sum(schedule.decay_steps(b)

@@ -22,9 +22,9 @@ the target's forward was 1.5 s of a 1.95 s step). Training features are stored i
 ``feature_dtype`` (bf16, as EAGLE-3 stores hidden states), held-out ones in float32 and
 batched as online scoring batches them, so scoring equals online scoring. The trunk and
 branches resume from checkpoints at step granularity, and a finished record is never
-redone. Jobs run in ``plan`` order: whole budgets across all sets and seeds first, so a
-partial run always compares every set at the budgets done. ``status`` says what is done and
-estimates what is left. Statistics over the records: ``actwave.study.stats``
+redone. Jobs run in ``plan`` order: the 1× and 4× budgets whole across all sets and seeds,
+then one (seed, set) trunk at a time through 16× and 32× (seed 0 of every set first).
+``status`` says what is done and estimates what is left. Statistics over the records: ``actwave.study.stats``
 (``rank_stability``, ``budget_curves``, ``budget_comparisons``).
 
 Launch (one process; resumable, rerun the same command after an interruption):
@@ -124,14 +124,21 @@ class Job:
 
 
 # ----------------------------------------------------------------------------- planning
-def plan(sets: list[StudySet], budgets) -> list[Job]:
-    """Every (set, seed, budget) in run order: budget, then seed, then set (the reference and
-    the primary set first), so whole budgets finish across all sets before the next one
-    starts: every set's seed 0 at 1× and 4× comes before any 16×."""
+def plan(sets: list[StudySet], budgets, whole_budgets: int = 2) -> list[Job]:
+    """Every (set, seed, budget) in run order. The first ``whole_budgets`` budgets (cheap) run
+    whole: budget, then seed, then set (the reference and the primary set first), so a
+    partial run compares every set there. Above them, one (seed, set) trunk runs through every
+    larger budget before the next starts (seed 0 of every set first): its checkpoints live in
+    the machine's cache while records are committed, so a move to a fresh machine loses at
+    most one trunk's progress rather than every set's."""
     first = {REFERENCE: 0, PRIMARY: 1}
     ordered = sorted(sets, key=lambda s: first.get(s.label, 2))
-    return [Job(s.label, tuple(s.layer_ids), seed, budget) for budget in budgets
-            for seed in range(max(s.seeds for s in sets)) for s in ordered if seed < s.seeds]
+    seeds = range(max(s.seeds for s in sets))
+    small, large = budgets[:whole_budgets], budgets[whole_budgets:]
+    return ([Job(s.label, tuple(s.layer_ids), seed, budget) for budget in small
+             for seed in seeds for s in ordered if seed < s.seeds]
+            + [Job(s.label, tuple(s.layer_ids), seed, budget) for seed in seeds
+               for s in ordered if seed < s.seeds for budget in large])
 
 
 def job_steps(jobs: list[Job], schedule: WSDSchedule) -> dict[Job, int]:
