@@ -23,7 +23,8 @@
 # replies where it has a pool (`profiles/data/pools.yaml`: SmolLM2), else ShareGPT's
 # original replies (Gemma-3, whose greedy replies loop). One small record per (set, seed,
 # budget) under `results/<profile>/long/<model>/records/`, committed: a rerun (or a fresh
-# clone) trains only what is missing, in an order that finishes whole budgets first.
+# clone) trains only what is missing: the 1× and 4× budgets across every set and seed first,
+# then one (seed, set) trunk at a time through 16× and 32× (seed 0 of every set first).
 #
 # Then: per model × budget × set, τ̂ (seed mean, SD, range), the paired Δ to the default
 # with a seed × sequence bootstrap CI and Holm-adjusted p (the pre-registered primary
