@@ -91,6 +91,8 @@ for name in model_names:
 # `p_holm`: Holm-adjusted per budget (the primary comparison, `primary`, unadjusted).
 # Rank stability: Spearman and Kendall (permutation p) between the sets' rankings at
 # successive budgets and at each budget vs the largest (`predicts`: ρ > 0, p < 0.05).
+# Costs: per budget, one draft's training seconds (trunk to the branch point + its decay) and
+# scoring seconds, medians over all jobs and over those that ran alone (`idle`).
 
 # %%
 tables = {}
@@ -103,6 +105,7 @@ for name in model_names:
     slug = model_zoo.slug(name)
     plots.save_table(tables[name]["sets"], f"{NOTEBOOK}_sets_{slug}", NOTEBOOK, results_dir,
                      sort_by=["budget", "label"])
+    plots.save_table(tables[name]["costs"], f"{NOTEBOOK}_costs_{slug}", NOTEBOOK, results_dir)
     fig = report.plot_tau_vs_budget(tables[name]["sets"], title=name)
     plots.save_figure(fig, f"{NOTEBOOK}_tau_vs_budget_{slug}", NOTEBOOK)
 if tables:

@@ -307,6 +307,14 @@ def test_rank_vs_largest_says_which_budget_predicts():
     assert len(tables["sets"]) == 18 and {"tau_hat", "tau_hat_sd"} <= set(tables["sets"])
     figure = study_report.plot_tau_vs_budget(tables["sets"])
     assert len(figure.axes[0].lines) == 6
+    for record, load in zip(records, [2.0, 3.5] * 9):
+        record["training"].update(seconds=1.5 * record["budget"], score_seconds=60.0)
+        record["machine"] = {"device": "cpu", "load_average": 1.9, "load_average_end": load}
+    costs = study_report.long_costs(records)
+    assert costs["budget"].tolist() == [64, 256, 1024] and costs["drafts"].tolist() == [6] * 3
+    assert costs["idle_drafts"].tolist() == [3] * 3  # load 3.5 at the end: shared cores
+    assert costs["seconds_per_step"].tolist() == pytest.approx([1.5] * 3)
+    assert costs["train_seconds_idle"].tolist() == pytest.approx([96.0, 384.0, 1536.0])
 
 
 def test_key_sets_take_labels_or_aliases_and_the_best_of_each_family():

@@ -231,7 +231,8 @@ def long_tables(records: list[dict], n_bootstrap: int = 2000, n_permutations: in
     - ``sets``: per budget × set, τ̂ (mean, seed SD, min, max) and the paired Δ vs the
       default with its seed × sequence CI and Holm-adjusted p (the primary comparison unadjusted);
     - ``rank_stability``: rankings at successive budgets, and each budget vs the largest
-      (``predicts``: the budget's ranking predicts the largest budget's).
+      (``predicts``: the budget's ranking predicts the largest budget's);
+    - ``costs``: per budget, the seconds one draft took (``long_costs``).
     """
     curves = pd.DataFrame(study_stats.budget_curves(records))
     versus = pd.DataFrame(study_stats.budget_comparisons(records, n_bootstrap=n_bootstrap, seed=seed))
@@ -243,7 +244,35 @@ def long_tables(records: list[dict], n_bootstrap: int = 2000, n_permutations: in
     stability = pd.concat([successive.rename(columns={"next_budget": "versus"}).assign(
         comparison="next budget"), largest.assign(comparison="largest budget")],
         ignore_index=True)
-    return {"sets": sets, "rank_stability": stability.rename(columns={"budget": "train_steps"})}
+    return {"sets": sets, "rank_stability": stability.rename(columns={"budget": "train_steps"}),
+            "costs": long_costs(records)}
+
+
+# A job with its 2 threads alone on 2 cores keeps the 1-minute load average near 2; above
+# this, something else shared the cores and its seconds overstate the cost.
+IDLE_LOAD = 2.5
+
+
+def long_costs(records: list[dict]) -> pd.DataFrame:
+    """What one draft of each budget cost on the device that made it: training seconds to
+    reach the budget (the trunk up to the branch point + the decay branch, as one run
+    without the other budgets would cost), per step, and the scoring seconds; medians over
+    every job and over the idle ones (load average ≤ ``IDLE_LOAD`` at start and end)."""
+    rows = []
+    for record in records:
+        training, machine = record.get("training", {}), record.get("machine", {})
+        load = max(machine.get("load_average", math.inf), machine.get("load_average_end", math.inf))
+        rows.append({"budget": record["budget"], "device": machine.get("device", "?"),
+                     "seconds": training.get("seconds", math.nan),
+                     "score_seconds": training.get("score_seconds", math.nan),
+                     "idle": load <= IDLE_LOAD})
+    frame = pd.DataFrame(rows, columns=["budget", "device", "seconds", "score_seconds", "idle"])
+    idle_seconds = frame["seconds"].where(frame["idle"])
+    costs = frame.assign(idle_seconds=idle_seconds).groupby(["budget", "device"]).agg(
+        drafts=("seconds", "size"), idle_drafts=("idle", "sum"),
+        train_seconds=("seconds", "median"), train_seconds_idle=("idle_seconds", "median"),
+        score_seconds=("score_seconds", "median")).reset_index()
+    return costs.assign(seconds_per_step=costs["train_seconds"] / costs["budget"])
 
 
 def plot_tau_vs_budget(curves: pd.DataFrame, title: str = "") -> Figure:
