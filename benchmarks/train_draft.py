@@ -14,8 +14,10 @@ Steps, each resumable (re-running the same command continues where it stopped):
    chunk pinned there as it is written, so another machine regenerates only what is missing);
 2. compute the target's features of both pools (``cache_dir()/features/<model>``), unless a
    folder with these layers is there;
-3. train the draft into ``cache_dir()/bench-drafts/<hash>/`` (checkpoints every
-   ``--checkpoint-every`` steps) on the first ``--conversations`` of the train pool;
+3. train the draft into the draft cache, ``cache_dir()/drafts/<model>-L<layers>-s<seed>-<hash>/``
+   (``actwave.index.draft_dir``; the hash keys the training config and the features'
+   digest; checkpoints every ``--checkpoint-every`` steps) on the first ``--conversations``
+   of the train pool;
 4. measure the draft's per-TTT-step top-1 agreement with the target on
    ``--eval-conversations`` training sequences and as many held-out eval-pool ones:
    overfitting shows as a gap;
@@ -36,9 +38,9 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from actwave import index
 from actwave.capture import models, pools, regenerate
-from actwave.config import (atomic_write_json, cache_dir, config_hash, package_versions,
-                            repo_root)
+from actwave.config import atomic_write_json, config_hash, package_versions, repo_root
 from actwave.eagle3.features import TargetFeatures, features_root, train_from_features
 from actwave.eagle3.online import OnlineSource
 from actwave.eagle3.train import TrainConfig, TrainData, evaluate_data
@@ -144,15 +146,15 @@ def main(argv: list[str] | None = None) -> Path:
     train_features, eval_features = features(LongRunConfig(model=budget.model), target,
                                              sources["train"], sources["eval"], train.layer_ids,
                                              features_root(budget.model))
-    draft_dir = cache_dir() / "bench-drafts" / config_hash({"train": asdict(train),
-                                                             "data": train_features.digest})
+    draft_dir = index.draft_dir(budget.model, train, config_hash(
+        {"train": asdict(train), "data": train_features.digest}))
     curve = _first(eval_features.train_data(train.layer_ids, budget.max_seq_len), CURVE_SEQUENCES)
     result = train_from_features(train_features, target, train, draft_dir, eval_fn=lambda draft:
                                  evaluate_data(draft, curve, target, ttt_steps=budget.ttt_steps))
     agreement = fit_and_held_out(budget, train_features, eval_features, result.draft, target)
     atomic_write_json(out / "draft.json", {
         "agreement": agreement,
-        "draft": str((draft_dir / "draft").relative_to(cache_dir())), "budget": asdict(budget),
+        "draft": index.cache_relative(draft_dir / "draft"), "budget": asdict(budget),
         "train_config": asdict(train), "sequences": len(sources["train"]),
         "sequence_tokens": sources["train"].n_tokens, **regeneration_cost(budget.model),
         "features": {"train": train_features.digest, "eval": eval_features.digest},

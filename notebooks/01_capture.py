@@ -19,7 +19,8 @@
 # `train` (EAGLE-3 drafts, notebook 06). Every later notebook reads these stores; none
 # re-runs the target. Interrupted captures resume at the first missing shard.
 # `results/<profile>/01_stores.json` indexes the stores (model → split → folder under the
-# cache dir, and its config): later notebooks open them from there.
+# cache dir, and its config; a run for some models keeps the others'): later notebooks
+# open them from there.
 
 # %% tags=["parameters"]
 profile = "cpu"
@@ -69,5 +70,6 @@ for (name, split), config in configs.items():  # analysis splits first: 02-05 ne
 summary = pd.DataFrame(rows)
 save_table(summary, "01_capture", NOTEBOOK, results_dir)
 # The index later notebooks open the stores by (model, split → folder under the cache dir).
-save_json(index.stores_index(configs), index.STORES, NOTEBOOK, results_dir)
+save_json(index.stores_index(configs, index.read_whole_index(results_dir, index.STORES)),
+          index.STORES, NOTEBOOK, results_dir)
 summary

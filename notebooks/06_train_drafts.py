@@ -23,8 +23,9 @@
 # Held-out top-1 agreement with the target (draft argmax == target argmax, per TTT step)
 # is scored on the first `train_eval_sequences` sequences of the disjoint `analysis` store at
 # every checkpoint. Drafts are cached under `<cache>/drafts/` (`actwave.index.draft_dir`:
-# keyed by the training config and both stores), so a rerun skips finished drafts and
-# resumes interrupted ones. The stores come from notebook 01's index `01_stores.json`. `results/<profile>/06_drafts.json` maps model → label → draft folder (relative to
+# `<model>-L<layers>-s<seed>-<key>`, the key hashing the training config, the target and
+# both stores: `index.draft_key`), so a rerun skips finished drafts and resumes interrupted
+# ones. The stores come from notebook 01's index `01_stores.json`. `results/<profile>/06_drafts.json` maps model → label → draft folder (relative to
 # the cache dir) for notebook 07.
 
 # %% tags=["parameters"]
@@ -72,7 +73,8 @@ for name in model_names:
     train_store, eval_store = train_stores[name], eval_stores[name]
     for label, layers in sorted(candidate_sets[name].items()):
         config = build("train", globals(), layer_ids=tuple(layers))
-        out_dir = index.draft_dir(name, config, train_store, eval_store)
+        key = index.draft_key(name, config, train_store, eval_store)
+        out_dir = index.draft_dir(name, config, key)
         result = train_draft(train_store, target, config, out_dir, eval_store=eval_store)
         runs[name, label] = result
         manifest.setdefault(name, {})[label] = index.cache_relative(result.draft_dir)

@@ -21,7 +21,9 @@
 # regenerated greedily by the target), a learning curve of the default, then one draft per
 # (set, seed) with one training budget, scored by offline acceptance on every held-out
 # position (`actwave.decoding.acceptance`). Each finished draft writes a small record to
-# `results/<profile>/<model>/records/`; a rerun — also from a fresh clone — skips it.
+# `results/<profile>/<model>/records/`; a rerun — also from a fresh clone — skips it. The
+# drafts stay in the draft cache (`actwave.index.draft_dir`, under each record's key); the
+# train / eval stores are indexed in `08_stores.json` (`actwave.index`, for notebook 09).
 # Statistics and figures: notebook 10.
 
 # %% tags=["parameters"]
@@ -70,9 +72,9 @@ import dataclasses
 import pandas as pd
 from tqdm import tqdm
 
+from actwave import index
 from actwave.capture import models as model_zoo
 from actwave.capture.store import analysis_captures
-from actwave.config import cache_dir
 from actwave.notebook import notebook_setup
 from actwave.plots import save_json, save_table
 from actwave.profile import build, section
@@ -96,7 +98,7 @@ configs
 # model's drafts start as soon as its own inputs are ready.
 
 # %%
-drafts_dir, stores_index = cache_dir() / "study-drafts", runs.read_stores_index(results_dir)
+stores_index = index.read_whole_index(results_dir, index.STUDY_STORES)
 for name in model_names:
     slug = model_zoo.slug(name)
     # the regenerated train/eval text is committed beside the records (portable across CPUs)
@@ -104,20 +106,21 @@ for name in model_names:
                              pinned_dir=results_dir / slug / "regenerated")
     save_table(pd.DataFrame(prepared["set_table"]), f"08_sets_{slug}", NOTEBOOK, results_dir,
                sort_by=["label"])
-    stores_index[slug] = {split: str(store.path.relative_to(cache_dir()))
-                          for split, store in prepared["stores"].items()}
-    save_json(stores_index, runs.STORES_INDEX.removesuffix(".json"), NOTEBOOK, results_dir)
-    args = (configs[name], prepared["model"], prepared["stores"], results_dir / slug, drafts_dir)
+    captured = {(name, split): configs[name].capture(split) for split in prepared["stores"]}
+    stores_index = index.stores_index(captured, stores_index)
+    save_json(stores_index, index.STUDY_STORES, NOTEBOOK, results_dir)
+    args = (configs[name], prepared["model"], prepared["stores"], results_dir / slug)
     order = runs.draft_order(prepared["sets"])[: max_drafts or None]
-    for study_set, index in tqdm(order, desc=f"drafts {name}", mininterval=60):
-        runs.run_draft(study_set, seed + index, *args)
+    for study_set, seed_index in tqdm(order, desc=f"drafts {name}", mininterval=60):
+        runs.run_draft(study_set, seed + seed_index, *args)
     default = next(s for s in prepared["sets"] if s.kind == "default")
     runs.run_draft(default, seed, *args, steps_factor=configs[name].curve_factor)
     del prepared
 
 # %%
 # every model with study stores so far (earlier runs for other models included)
-records = {slug: runs.load_records(results_dir / slug) for slug in sorted(stores_index)}
+records = {model_zoo.slug(name): runs.load_records(results_dir / model_zoo.slug(name))
+           for name in sorted(stores_index)}
 done = pd.DataFrame([{"model": n, "label": r["label"], "seed": r["seed"],
                       "tau_hat": r["offline"]["tau_hat"], "train_seconds": r["train_seconds"]}
                      for n, rs in records.items() for r in rs])

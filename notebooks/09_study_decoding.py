@@ -44,10 +44,9 @@ acceptance_prompts = 16  # held-out ShareGPT greedy replies behind the auto shap
 # %%
 import pandas as pd
 
-from actwave import plots
+from actwave import index, plots
 from actwave.capture import models as model_zoo
 from actwave.capture.store import DTYPES
-from actwave.config import cache_dir
 from actwave.decoding import fastpath
 from actwave.notebook import notebook_setup
 from actwave.profile import build
@@ -63,8 +62,9 @@ for name in model_names:
     chosen = runs.decoding_sets(records)
     config = runs.StudyConfig(**chosen["eagle3_default"]["study"])
     target, tokenizer = model_zoo.load(name, dtype=DTYPES[eval_dtype], device=device)
-    stores = runs.open_stores(results_dir, model_zoo.slug(name))
-    drafts = {label: runs.load_draft(record, config, target, stores, cache_dir() / "study-drafts")
+    stores = {split: index.open_stores(results_dir, [name], split, index.STUDY_STORES)[name]
+              for split in ("train", "eval")}  # notebook 08's
+    drafts = {label: runs.load_draft(record, config, target, stores)
               for label, record in chosen.items()}
     eval_config = build("eval", globals(), model=name, depth=config.depth)
     comparison = fastpath.compare(target, tokenizer, drafts, eval_config,

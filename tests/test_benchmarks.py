@@ -45,10 +45,10 @@ def test_drafts_come_from_the_bench_draft_then_the_notebook_manifest_when_cached
     manifest.write_text(json.dumps({"smollm2-135m": {"eagle3_default": "drafts/a",
                                                      "entropy_cka_filtered": "drafts/gone"}}))
     assert run_all.draft_arguments(missing, manifest) == ["--draft", "drafts/a"]
-    bench_draft.write_text(json.dumps({"draft": "bench-drafts/b/draft"}))
+    bench_draft.write_text(json.dumps({"draft": "drafts/b/draft"}))
     assert run_all.draft_arguments(bench_draft, manifest) == ["--draft", "drafts/a"]  # not cached
-    (tmp_path / "cache" / "bench-drafts" / "b" / "draft").mkdir(parents=True)
-    assert run_all.draft_arguments(bench_draft, manifest) == ["--draft", "bench-drafts/b/draft"]
+    (tmp_path / "cache" / "drafts" / "b" / "draft").mkdir(parents=True)
+    assert run_all.draft_arguments(bench_draft, manifest) == ["--draft", "drafts/b/draft"]
     manifest.write_text(json.dumps({"smollm2-135m": {"eagle3_default": "drafts/gone"}}))
     assert run_all.draft_arguments(missing, manifest) == []
     assert run_all.draft_arguments(missing, missing) == []
@@ -106,6 +106,8 @@ def test_bench_draft_trains_on_the_pool_and_resumes_from_the_pin(tmp_path, monke
             "--checkpoint-every", "2", "--draft-vocab-size", "64", "--eval-conversations", "2",
             "--out", str(tmp_path / "out")]
     draft_dir = train_draft.main(argv)
+    assert draft_dir.parent == tmp_path / "cache" / "drafts"  # the one draft cache
+    assert draft_dir.name.startswith("tiny-bench-llama-L1-3-5-s0-")
     record = json.loads((tmp_path / "out" / "draft.json").read_text())
     assert (tmp_path / "cache" / record["draft"] / "config.json").exists()
     assert record["train_config"]["layer_ids"] == [1, 3, 5] and record["train_steps"] == 3

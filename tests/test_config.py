@@ -74,8 +74,9 @@ def test_capture_configs_rebuild_the_committed_cpu_stores(tmp_path, monkeypatch)
 
 
 def test_draft_dirs_rebuild_the_committed_cpu_drafts(tmp_path, monkeypatch):
-    """Draft folders are keyed by the train config, the target's file digest and both
-    stores' content digests (here stand-ins: the real ones need the captured stores)."""
+    """Draft folders (``<slug>-L<layers>-s<seed>-<key>``) are keyed by the train config, the
+    target's file digest and both stores' content digests (here stand-ins: the real ones need
+    the captured stores)."""
     monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path))
     stores = {"train": SimpleNamespace(digest="0" * 16), "analysis": SimpleNamespace(digest="1" * 16)}
     sets = json.loads((CPU_RESULTS / "05_candidate_sets.json").read_text())["smollm2-135m"]
@@ -84,15 +85,18 @@ def test_draft_dirs_rebuild_the_committed_cpu_drafts(tmp_path, monkeypatch):
     folders = {}
     for label, layers in sets.items():
         train = cpu_train_config(layers)
-        folder = index.draft_dir("smollm2-135m", train, stores["train"], stores["analysis"])
+        key = index.draft_key("smollm2-135m", train, stores["train"], stores["analysis"])
+        folder = index.draft_dir("smollm2-135m", train, key)
         name = f"smollm2-135m-L{'-'.join(map(str, layers))}"
-        assert folder.name == f"{name}-{config.config_hash(index.draft_key('smollm2-135m', train, stores['train'], stores['analysis']))}"
+        assert folder == tmp_path / "drafts" / f"{name}-s0-{key}"
         assert drafts[label].startswith(f"drafts/{name}-")  # the committed run's folder name
         folders[label] = folder
-    assert folders["eagle3_default"].name == "smollm2-135m-L2-15-27-501b979f2aee"  # pinned
-    other = index.draft_dir("smollm2-135m", cpu_train_config(sets["eagle3_default"]),
+    assert folders["eagle3_default"].name == "smollm2-135m-L2-15-27-s0-501b979f2aee"  # pinned
+    other = index.draft_key("smollm2-135m", cpu_train_config(sets["eagle3_default"]),
                             SimpleNamespace(digest="2" * 16), stores["analysis"])
-    assert other != folders["eagle3_default"]  # another train store: another draft
+    assert other not in folders["eagle3_default"].name  # another train store: another draft
+    with pytest.raises(ValueError, match=r"draft key must be a config hash.*'\.\./x'"):
+        index.draft_dir("smollm2-135m", cpu_train_config(sets["eagle3_default"]), "../x")
 
 
 def test_capture_configs_need_trained_models_among_models():
@@ -138,6 +142,11 @@ def test_stores_index_round_trip_opens_the_indexed_store(tmp_path, monkeypatch):
         index.open_stores(results, ["smollm2-135m"], "train")
     with pytest.raises(ValueError, match=r"nothing for \['z'\].*run notebook 01_capture"):
         index.open_stores(results, ["z"], "analysis")
+    # a later run for some models replaces their entries and keeps the other models'
+    known = {"gemma3-270m": {"analysis": {"store": "capture/g", "config": {}}},
+             "smollm2-135m": {"train": {"store": "capture/old", "config": {}}}}
+    assert index.stores_index({("smollm2-135m", "analysis"): capture}, known) == {
+        "gemma3-270m": known["gemma3-270m"], **built}
 
 
 def test_missing_index_names_the_notebook_to_run(tmp_path):

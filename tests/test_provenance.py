@@ -102,7 +102,7 @@ def test_recapturing_a_deleted_store_gives_new_downstream_keys(tokenizer, tmp_pa
     first = store.run_capture(config, progress=False)
     settings = analysis.AnalysisConfig(max_tokens=16)
     train = train_mod.TrainConfig(layer_ids=(2, 4, 5), total_steps=2, warmup_steps=0)
-    keys = (analysis._cache_key(first, settings), index.draft_dir(folder, train, first, first))
+    keys = (analysis._cache_key(first, settings), index.draft_key(folder, train, first, first))
     stats_first = analysis.compute_layer_stats(first, settings, progress=False)
     # "delete the store to recapture": here with a model object of other weights
     shutil.rmtree(first.path)
@@ -112,7 +112,7 @@ def test_recapturing_a_deleted_store_gives_new_downstream_keys(tokenizer, tmp_pa
     second = store.run_capture(config, other, tokenizer, progress=False)
     assert second.path == first.path and second.digest != first.digest
     assert analysis._cache_key(second, settings) != keys[0]
-    assert index.draft_dir(folder, train, second, second) != keys[1]
+    assert index.draft_key(folder, train, second, second) != keys[1]
     stats_second = analysis.compute_layer_stats(second, settings, progress=False)
     assert not torch.equal(stats_second.entropy, stats_first.entropy)  # not the old artifact
 

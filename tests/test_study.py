@@ -9,6 +9,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
+from actwave import index
 from actwave.stats import selection
 from actwave.stats.metrics import layer_stats
 from actwave.study import report, runs, stats as study_stats
@@ -26,7 +27,7 @@ def synthetic_stats(seed=0):
 
 
 def config(**changes):
-    values = dict(model="tiny", seed=0, train_sequences=8, eval_sequences=4, max_seq_len=32,
+    values = dict(model="test/tiny", seed=0, train_sequences=8, eval_sequences=4, max_seq_len=32,
                   regen_new_tokens=8, eval_new_tokens=8, capture_batch_size=4,
                   capture_dtype="float32", train_steps=3, warmup_steps=1, batch_size=2,
                   ttt_steps=2, lr=1e-3, draft_vocab_size=64, train_dtype="float32",
@@ -92,41 +93,44 @@ def tiny_study(tmp_path_factory):
     (root / "eval").mkdir()
     stores = {"train": _tiny_store(root / "train", target, 8, seed=0),
               "eval": _tiny_store(root / "eval", target, 4, seed=1)}
-    return target, stores, root
+    with pytest.MonkeyPatch.context() as patch:  # the drafts: a draft cache of this module
+        patch.setenv("ACTWAVE_CACHE", str(root / "cache"))
+        yield target, stores, root
 
 
 def test_run_draft_writes_a_record_and_a_rerun_reads_it(tiny_study, monkeypatch):
     target, stores, root = tiny_study
     study_set = runs.StudySet("eagle3_default", (1, 2, 3), "default", 1)
-    record = runs.run_draft(study_set, 0, config(), target, stores, root / "results",
-                            root / "drafts")
+    record = runs.run_draft(study_set, 0, config(), target, stores, root / "results")
     assert record["offline"]["tau_hat"] >= 1.0
     assert len(record["offline"]["per_sequence"]) == 4
     assert all(r["roots"] > 0 for r in record["offline"]["per_sequence"])
     assert runs.record_path(root / "results", "eagle3_default", 0).exists()
+    train = config().train_config(study_set.layer_ids, 0)
+    folder = index.draft_dir("test/tiny", train, record["key"])
+    assert folder.parent == root / "cache" / "drafts"  # the one draft cache, by the record key
+    assert folder.name == f"test--tiny-L1-2-3-s0-{record['key']}"
+    assert (folder / "draft" / "config.json").exists()
 
     def no_training(*args, **kwargs):
         raise AssertionError("a finished record must not be retrained")
 
     monkeypatch.setattr(runs, "train_draft", no_training)
-    again = runs.run_draft(study_set, 0, config(), target, stores, root / "results",
-                           root / "drafts")
+    again = runs.run_draft(study_set, 0, config(), target, stores, root / "results")
     assert again == record
     with pytest.raises(AssertionError, match="must not be retrained"):  # another budget
-        runs.run_draft(study_set, 0, config(train_steps=4), target, stores,
-                       root / "results", root / "drafts")
+        runs.run_draft(study_set, 0, config(train_steps=4), target, stores, root / "results")
     path = runs.record_path(root / "results", "eagle3_default", 0)
     path.write_text(path.read_text().replace('"train": "', '"train": "other-text-'))
     with pytest.raises(AssertionError, match="must not be retrained"):  # other held-out text
-        runs.run_draft(study_set, 0, config(), target, stores, root / "results",
-                       root / "drafts")
+        runs.run_draft(study_set, 0, config(), target, stores, root / "results")
 
 
 def test_curve_run_records_offline_tau_per_checkpoint(tiny_study):
     target, stores, root = tiny_study
     study_set = runs.StudySet("eagle3_default", (1, 2, 3), "default", 1)
     record = runs.run_draft(study_set, 0, config(train_steps=4), target, stores,
-                            root / "curve", root / "drafts", steps_factor=2)
+                            root / "curve", steps_factor=2)
     assert [p["step"] for p in record["curve"]] == [2, 4, 6, 8]
     assert all(p["tau_hat"] >= 1.0 for p in record["curve"])
     assert record["curve"][-1]["tokens"] > record["curve"][0]["tokens"]
@@ -215,12 +219,19 @@ def test_summary_and_correlations_over_sets():
     assert report.noise_floor(summary) > 0
 
 
-def test_stores_index_keeps_other_models_and_names_notebook_08(tmp_path):
-    assert runs.read_stores_index(tmp_path) == {}
-    (tmp_path / runs.STORES_INDEX).write_text(json.dumps({"smollm2-135m": {"train": "x"}}))
-    assert set(runs.read_stores_index(tmp_path)) == {"smollm2-135m"}
-    with pytest.raises(ValueError, match="no stores for 'gemma3-270m'.*notebook 08"):
-        runs.open_stores(tmp_path, "gemma3-270m")
+def test_study_stores_index_reads_notebook_08s_first_layout_and_names_it(tmp_path):
+    assert index.read_whole_index(tmp_path, index.STUDY_STORES) == {}
+    # notebook 08's first layout, {model: {split: folder}}, as committed in results/study
+    (tmp_path / "08_stores.json").write_text(json.dumps({"smollm2-135m": {"train": "x"}}))
+    assert index.read_index(tmp_path, index.STUDY_STORES, ["smollm2-135m"]) == {
+        "smollm2-135m": {"train": "x"}}
+    assert index.store_path("capture/x") == index.store_path({"store": "capture/x"})
+    with pytest.raises(ValueError, match=r"nothing for \['gemma3-270m'\].*08_study_drafts"):
+        index.open_stores(tmp_path, ["gemma3-270m"], "train", index.STUDY_STORES)
+    with pytest.raises(ValueError, match=r"08_study_drafts made no 'eval' store.*\['train'\]"):
+        index.open_stores(tmp_path, ["smollm2-135m"], "eval", index.STUDY_STORES)
+    with pytest.raises(ValueError, match="'06_drafts' is not a store index"):
+        index.open_stores(tmp_path, ["smollm2-135m"], "train", index.DRAFTS)
 
 
 def test_depth_correlations_read_the_layer_ids_of_each_trained_triple():

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from actwave import index
 from actwave.study import runs
 from actwave.tools import cli, validate
 from test_cli import NUM_LAYERS, model_folder  # noqa: F401  (the module-scoped fixture)
@@ -160,7 +161,8 @@ def test_the_study_profile_gives_the_study_stores():
     from actwave.tools.runplan import load_profile
 
     config = validate.study_config("smollm2-135m", load_profile("study"), 64)
-    index = runs.read_stores_index(results_dir("study"))["smollm2-135m"]
+    entries = index.read_index(results_dir("study"), index.STUDY_STORES, ["smollm2-135m"])
     for split in ("train", "eval"):
-        assert index[split].endswith(config_hash(config.capture(split)))
+        folder = index.store_path(entries["smollm2-135m"][split])
+        assert folder.name.endswith(config_hash(config.capture(split)))
     assert config.train_config((2, 15, 27), 0).total_steps == 64

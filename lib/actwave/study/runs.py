@@ -30,10 +30,11 @@ from pathlib import Path
 
 import torch
 
+from actwave import index
 from actwave.capture import regenerate
 from actwave.capture.models import DTYPES as CAPTURE_DTYPES
-from actwave.capture.store import CaptureConfig, CaptureStore, regen_config, run_capture
-from actwave.config import atomic_write_json, cache_dir, config_hash, package_versions
+from actwave.capture.store import CaptureConfig, regen_config, run_capture
+from actwave.config import atomic_write_json, config_hash, package_versions
 from actwave.decoding.acceptance import decode_walk, sequence_acceptance, tau_hat
 from actwave.eagle3.train import DTYPES as TRAIN_DTYPES
 from actwave.eagle3.train import TrainConfig, load_sequences, train_draft
@@ -354,12 +355,12 @@ def load_record(path: Path, key: str | None = None) -> dict | None:
 
 
 def run_draft(study_set: StudySet, seed: int, config: StudyConfig, target, stores: dict,
-              results_dir: Path, drafts_dir: Path, steps_factor: int = 1,
-              progress: bool = False) -> dict:
+              results_dir: Path, steps_factor: int = 1, progress: bool = False) -> dict:
     """Train (or skip) one draft of the study and write its record; -> the record.
 
-    stores: {"train": CaptureStore, "eval": CaptureStore}. The draft itself stays in
-    ``drafts_dir`` (the cache); the record holds all the study needs.
+    stores: {"train": CaptureStore, "eval": CaptureStore}. The draft itself stays in the
+    draft cache (``index.draft_dir`` under the record's key); the record holds all the study
+    needs.
     """
     train = config.train_config(study_set.layer_ids, seed, steps_factor)
     key = record_key(config, train, stores)
@@ -377,7 +378,7 @@ def run_draft(study_set: StudySet, seed: int, config: StudyConfig, target, store
         return {k: v for k, v in scores.items() if k != "per_sequence"}
 
     tic = time.perf_counter()
-    result = train_draft(stores["train"], target, train, drafts_dir / f"{label}__seed{seed}__{key}",
+    result = train_draft(stores["train"], target, train, index.draft_dir(config.model, train, key),
                          progress=progress, eval_fn=curve_point if steps_factor > 1 else None)
     scores = offline_scores(result.draft, data, config.depth, config.tree_top_k)
     record = {"format": RECORD_FORMAT, "key": key, "label": label, "kind": study_set.kind,
@@ -394,7 +395,7 @@ def run_draft(study_set: StudySet, seed: int, config: StudyConfig, target, store
     return load_record(path)  # as a rerun will see it (tuples become lists)
 
 
-def load_draft(record: dict, config: StudyConfig, target, stores: dict, drafts_dir: Path):
+def load_draft(record: dict, config: StudyConfig, target, stores: dict):
     """The trained draft of a record: loaded from the cache, or retrained with the record's
     config (a fresh clone); refuses a retrained draft whose weights differ from the record's."""
     train = config.train_config(record["layer_ids"], record["seed"], record["steps_factor"])
@@ -402,7 +403,7 @@ def load_draft(record: dict, config: StudyConfig, target, stores: dict, drafts_d
     if key != record["key"]:
         raise ValueError(f"record {record['label']} seed {record['seed']} was made under key "
                          f"{record['key']}, the current config gives {key}")
-    out_dir = Path(drafts_dir) / f"{record['label']}__seed{record['seed']}__{key}"
+    out_dir = index.draft_dir(config.model, train, key)
     draft = train_draft(stores["train"], target, train, out_dir, progress=False).draft
     if draft.fingerprint() != record["draft_fingerprint"]:
         # Retrained on another CPU: float kernels differ, so the weights do too. Decoding
@@ -410,25 +411,6 @@ def load_draft(record: dict, config: StudyConfig, target, stores: dict, drafts_d
         log.warning("draft %s retrained with weights %s, its record has %s (another machine?)",
                     out_dir.name, draft.fingerprint(), record["draft_fingerprint"])
     return draft
-
-
-STORES_INDEX = "08_stores.json"
-
-
-def read_stores_index(results_dir: Path) -> dict[str, dict[str, str]]:
-    """{model slug: {split: store folder under ``cache_dir()``}} as notebook 08 wrote it so far
-    ({} before its first run): a run for some models keeps the other models' entries."""
-    path = Path(results_dir) / STORES_INDEX
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def open_stores(results_dir: Path, slug: str) -> dict:
-    """{"train", "eval"}: the study stores notebook 08 made for one model (by its index)."""
-    entries = read_stores_index(results_dir)
-    if slug not in entries:
-        raise ValueError(f"{Path(results_dir) / STORES_INDEX} has no stores for {slug!r} (it has "
-                         f"{sorted(entries)}): run notebook 08 for that model first")
-    return {split: CaptureStore(cache_dir() / path) for split, path in entries[slug].items()}
 
 
 def decoding_sets(records: list[dict]) -> dict[str, dict]:

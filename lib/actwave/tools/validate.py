@@ -22,8 +22,9 @@ drafts (``NOT_MEASURED``). Cost (``estimate_cost``): drafts × (steps × the med
 step + the median scoring seconds of the study's committed records of the model), printed
 before any training; progress is a tqdm bar over drafts and one per draft.
 
-Drafts and records live under ``cache_dir()/validate`` keyed like the study's records (study
-config, training config, store hashes), so a rerun skips every finished draft.
+Records live under ``cache_dir()/validate``, keyed like the study's records (study config,
+training config, store hashes), and the drafts in the one draft cache under the same keys
+(``actwave.index.draft_dir``), so a rerun skips every finished draft.
 """
 from __future__ import annotations
 
@@ -246,7 +247,7 @@ def train_sets(sets: list[runs.StudySet], n_seeds: int, config: runs.StudyConfig
     records: dict[str, list[dict]] = {s.label: [] for s in sets}
     for study_set, seed in tqdm(order, desc="validation drafts", unit="draft"):
         record = runs.run_draft(study_set, config.seed + seed, config, target, stores, folder,
-                                cache_dir() / "validate-drafts", progress=True)
+                                progress=True)
         records[study_set.label].append(record)
     return records
 
