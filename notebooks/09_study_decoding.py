@@ -60,7 +60,7 @@ for name in model_names:
     out = results_dir / model_zoo.slug(name)
     records = report.main_records(runs.load_records(out))
     chosen = runs.decoding_sets(records)
-    config = runs.StudyConfig(**chosen["eagle3_default"]["study"])
+    config = runs.StudyConfig.from_flat(chosen["eagle3_default"]["study"])  # as recorded
     target, tokenizer = model_zoo.load(name, dtype=DTYPES[eval_dtype], device=device)
     stores = {split: index.open_stores(results_dir, [name], split, index.STUDY_STORES)[name]
               for split in ("train", "eval")}  # notebook 08's

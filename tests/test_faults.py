@@ -463,12 +463,12 @@ def _stage_configs():
     from actwave.study.longrun import LongRunConfig
     from actwave.study.runs import StudyConfig
 
-    study = dict(model="tiny", seed=0, train_sequences=8, eval_sequences=4, max_seq_len=32,
-                 regen_new_tokens=8, eval_new_tokens=8, capture_batch_size=4,
-                 capture_dtype="float32", train_steps=3, warmup_steps=1, batch_size=2,
-                 ttt_steps=2, lr=1e-3, draft_vocab_size=64, train_dtype="float32",
-                 checkpoint_every=3, depth=2, tree_top_k=3, n_random=6, n_seeds=3,
-                 extra_k="2,4", curve_factor=2)
+    study = dict(model="tiny", seed=0, eval_sequences=4, eval_new_tokens=8, depth=2,
+                 capture=store.CaptureConfig(n_sequences=8, max_seq_len=32, regen_new_tokens=8,
+                                             source="regenerated"),
+                 train=train_mod.TrainConfig(total_steps=3, warmup_steps=1, ttt_steps=2,
+                                             max_seq_len=32, draft_vocab_size=64),
+                 tree_top_k=3, n_random=6, n_seeds=3, extra_k="2,4", curve_factor=2)
     eagle = dict(layer_ids=(1, 2), target_hidden_size=64, hidden_size=64, intermediate_size=128,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
                  target_vocab_size=128, draft_vocab_size=64)
@@ -503,8 +503,9 @@ def _stage_configs():
     ("AnalysisConfig", dict(max_tokens=1e4), "max_tokens must be an int"),
     ("SelectionConfig", dict(dpp_theta=0.0), r"dpp_theta must be > 0.0"),
     ("BootstrapConfig", dict(resolutions=(0.5, math.nan)), "resolutions element must be a finite"),
-    ("StudyConfig", dict(lr=math.nan), "lr must be a finite number"),
-    ("StudyConfig", dict(train_dtype="float16"), "train_dtype='float16'; allowed"),
+    ("StudyConfig", dict(eval_sequences=0), "eval_sequences must be >= 1, got 0"),
+    ("StudyConfig", dict(depth=3), "depth=3 exceeds train.ttt_steps=2"),
+    ("StudyConfig", dict(eval_new_tokens=32), r"regen_new_tokens=32 must lie in 1..max_seq_len"),
     ("LongRunConfig", dict(multipliers=(1, 4.0)), "multipliers element must be an int"),
     ("LongRunConfig", dict(decay_fraction=0.0), r"decay_fraction must lie in \(0.0, 1.0\]"),
 ])

@@ -147,10 +147,15 @@ def test_profiles_set_only_known_parameters(profile):
 
 def test_profile_sections_are_checked():
     assert parameters({"seed": 0, "train": {"total_steps": 4, "max_seq_len": 9}}) == \
-        {"seed": 0, "total_steps": 4, "train_max_seq_len": 9}
+        {"seed": 0, "train_total_steps": 4, "train_max_seq_len": 9}
+    assert parameters({"study": {"depth": 2, "train": {"lr": 0.1}}}) == \
+        {"study_depth": 2, "study_train_lr": 0.1}
     for bad, message in (({"trian": {"lr": 1.0}}, "unknown profile section 'trian'"),
                          ({"train": {"train_steps": 4}}, r"\['train_steps'\] are not parameters"),
                          ({"eval": {"benchmarks": ["a"]}}, r"must be scalars"),
+                         ({"study": {"train": 3}}, r"must be scalars .*; capture, train: mappings"),
+                         ({"study": {"train": {"layer_ids": "1,2"}}},
+                          r"section 'study.train': \['layer_ids'\] are not parameters"),
                          ({"models": ["a"]}, "a scalar or a section")):
         with pytest.raises(ValueError, match=message):
             parameters(bad)

@@ -1,7 +1,9 @@
 """The layer-set study: the sets, the records (resume from the repo), the statistics."""
+import dataclasses
 import itertools
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -10,9 +12,12 @@ import torch
 from scipy import stats as scipy_stats
 
 from actwave import index
+from actwave.config import config_hash
+from actwave.profile import build, parameters
 from actwave.stats import selection
 from actwave.stats.metrics import layer_stats
 from actwave.study import report, runs, stats as study_stats
+from actwave.tools.runplan import load_profile
 from conftest import tiny_model
 from test_eagle3_train import _tiny_store
 
@@ -33,7 +38,65 @@ def config(**changes):
                   ttt_steps=2, lr=1e-3, draft_vocab_size=64, train_dtype="float32",
                   checkpoint_every=3, depth=2, tree_top_k=3, n_random=6, n_seeds=3,
                   extra_k="2,4", curve_factor=2)
-    return runs.StudyConfig(**{**values, **changes})
+    return runs.StudyConfig.from_flat({**values, **changes})
+
+
+# ----------------------------------------------------------------------------- the config
+COMMITTED = sorted(Path(__file__).resolve().parents[1].glob("results/study/*/records/*.json"))
+
+
+def study_profile_config(model: str) -> runs.StudyConfig:
+    """The study config notebook 08 builds for ``model`` from profiles/study.yaml."""
+    profile = load_profile("study")
+    config = build("study", parameters(profile), model=model)
+    extra = config.extra_k if model in profile["extra_k_models"].split(",") else ""
+    return dataclasses.replace(config, extra_k=extra)
+
+
+def test_committed_records_keep_their_keys():
+    """Every committed study record is keyed by ``record_key(config, train, stores)``: the
+    config built from profiles/study.yaml must give the same ``flat`` study dict and the
+    same TrainConfig per draft, so no draft retrains (the stores' part of the key needs the
+    cached stores; ``test_record_key_hashes_the_flat_layout`` checks how the parts hash)."""
+    assert {path.parent.parent.name for path in COMMITTED} == {"smollm2-135m", "gemma3-270m"}
+    for path in COMMITTED:
+        record = json.loads(path.read_text())
+        config = study_profile_config(record["model"])
+        train = config.train_config(record["layer_ids"], record["seed"], record["steps_factor"])
+        assert config.flat() == record["study"], path.name
+        assert json.loads(json.dumps(dataclasses.asdict(train))) == record["train"], path.name
+        assert runs.StudyConfig.from_flat(record["study"]) == config, path.name
+
+
+def test_record_key_hashes_the_flat_layout():
+    """The key is the hash of the flat study dict (the pre-nesting layout), the draft's
+    TrainConfig and the stores' digests."""
+    class Store:
+        digest = "abc"
+
+    stores = {"train": Store(), "eval": Store()}
+    train = config().train_config((1, 2, 3), 0)
+    assert runs.record_key(config(), train, stores) == config_hash(
+        {"study": config().flat(), "train": dataclasses.asdict(train),
+         "stores": {"train": "abc", "eval": "abc"}})
+
+
+def test_nested_study_config_fills_captures_and_drafts():
+    study = config()
+    assert study.capture_for("train") == study.capture
+    assert study.capture.split == "train" and study.capture.model == "test/tiny"
+    eval_capture = study.capture_for("eval")
+    assert (eval_capture.split, eval_capture.n_sequences, eval_capture.regen_new_tokens) == \
+        ("eval", 4, 8)
+    curve = study.train_config((3, 1), 5, steps_factor=2)
+    assert (curve.layer_ids, curve.seed, curve.total_steps, curve.checkpoint_every) == \
+        ((3, 1), 5, 6, 1)
+    with pytest.raises(ValueError, match="train.max_seq_len=32 differs"):
+        dataclasses.replace(study, capture=dataclasses.replace(study.capture, max_seq_len=64))
+    with pytest.raises(ValueError, match="capture.source='sharegpt'"):
+        dataclasses.replace(study, capture=dataclasses.replace(study.capture, source="sharegpt"))
+    with pytest.raises(ValueError, match="missing \\['curve_factor'\\]"):
+        runs.StudyConfig.from_flat({k: v for k, v in study.flat().items() if k != "curve_factor"})
 
 
 @pytest.mark.parametrize("num_layers", range(7, 41))

@@ -13,6 +13,8 @@ from test_cli import NUM_LAYERS, model_folder  # noqa: F401  (the module-scoped 
 SMOKE = ["--validate-profile", "smoke-study"]
 
 
+STUDY_64 = {"study": {"train": {"total_steps": 64}}}  # the budget part of the study profile
+
 def select_result(rows_by_token_set):
     """A ``run_select`` result holding only what ``candidate_sets`` reads."""
     return {"num_layers": NUM_LAYERS, "proxy_token_set": "top",
@@ -36,14 +38,14 @@ def test_candidates_are_distinct_proxy_picks_ranked_by_percentile():
 
 
 def test_budget_falls_back_to_the_study_budget_until_rank_stability_exists(tmp_path):
-    budget = validate.default_budget("smollm2-135m", {"study": {"train_steps": 64}}, tmp_path)
+    budget = validate.default_budget("smollm2-135m", STUDY_64, tmp_path)
     assert budget.steps == 64 and budget.note == validate.NOT_MEASURED
-    assert budget.source.startswith("study.train_steps of profiles/study.yaml")
+    assert budget.source.startswith("study.train.total_steps of profiles/study.yaml")
     assert "rank stability across budgets not yet measured" in budget.note
     (tmp_path / "12_rank_stability.csv").write_text(
         "model,train_steps,predicts\nsmollm2-135m,32,false\nsmollm2-135m,128,true\n"
         "smollm2-135m,256,true\ngemma3-270m,64,true\n")
-    budget = validate.default_budget("smollm2-135m", {"study": {"train_steps": 64}}, tmp_path)
+    budget = validate.default_budget("smollm2-135m", STUDY_64, tmp_path)
     assert (budget.steps, budget.note) == (128, None)
     assert "12_rank_stability.csv" in budget.source
 
@@ -164,5 +166,5 @@ def test_the_study_profile_gives_the_study_stores():
     entries = index.read_index(results_dir("study"), index.STUDY_STORES, ["smollm2-135m"])
     for split in ("train", "eval"):
         folder = index.store_path(entries["smollm2-135m"][split])
-        assert folder.name.endswith(config_hash(config.capture(split)))
+        assert folder.name.endswith(config_hash(config.capture_for(split)))
     assert config.train_config((2, 15, 27), 0).total_steps == 64

@@ -6,18 +6,24 @@ names of the stage's builder: the fields of its config dataclass (``train:`` hol
 ``TrainConfig`` fields) or the keyword arguments of the function that builds its configs.
 ``seed`` is top-level and reaches every stage that has one.
 
+A field that is a config dataclass itself is a nested section, a mapping under its name
+(``study: {train: {...}, capture: {...}, depth: 3}``), built into that dataclass (``nested``).
+
 Notebooks take flat papermill parameters (scalars only), one per profile key: a top-level key
-keeps its name; a section key is named as the field it sets, prefixed ``<section>_`` only where
-another section has a field of the same name (``parameter_names``: ``capture_max_seq_len`` and
-``train_max_seq_len``, but ``total_steps``). Tuple fields are comma-separated strings
+keeps its name; a section key is named as the field it sets, prefixed with its section path
+(dots as ``_``) only where another section has a field of the same name
+(``parameter_names``: ``capture_max_seq_len``, ``train_max_seq_len``,
+``study_train_max_seq_len``, but ``n_prompts``). Tuple fields are comma-separated strings
 (``benchmarks: "mtbench,humaneval"``). A notebook builds a stage config from its own parameters
 with ``build(section, globals(), ...)``; tests and tools flatten a profile with ``parameters``.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
+import typing
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -43,30 +49,62 @@ Scalar = (str, int, float, bool)
 
 
 def builder(section: str):
-    """The dataclass or function that builds ``section``'s config."""
-    module, name = SECTIONS[section].split(":")
-    return getattr(importlib.import_module(module), name)
+    """The dataclass or function that builds ``section``'s config; a nested section
+    (``study.train``) is the dataclass type of that field of its parent's dataclass."""
+    parent, _, field = section.rpartition(".")
+    if not parent:
+        module, name = SECTIONS[section].split(":")
+        return getattr(importlib.import_module(module), name)
+    return nested(parent)[field]
+
+
+@functools.cache
+def nested(section: str) -> dict[str, type]:
+    """{field: dataclass} of ``section``'s fields that are configs themselves: in a profile
+    a mapping under the field's name (``study: {train: {...}}``)."""
+    made = builder(section)
+    if not dataclasses.is_dataclass(made):
+        return {}
+    hints = typing.get_type_hints(made)
+    return {f.name: hints[f.name] for f in dataclasses.fields(made)
+            if dataclasses.is_dataclass(hints[f.name])}
 
 
 @functools.cache
 def fields(section: str) -> dict[str, Any]:
-    """{key: default} a ``section`` of a profile may set (``inspect.Parameter.empty``: none)."""
+    """{key: default} of the scalars a ``section`` of a profile may set
+    (``inspect.Parameter.empty``: none); nested sections are in ``nested``."""
     params = inspect.signature(builder(section)).parameters
-    return {name: p.default for name, p in params.items() if name not in SHARED + PER_RUN}
+    return {name: p.default for name, p in params.items()
+            if name not in SHARED + PER_RUN + tuple(nested(section))}
+
+
+def all_sections() -> list[str]:
+    """Every section a profile may hold, nested ones by their path (``study.train``)."""
+    def walk(section):
+        inner = (walk(f"{section}.{field}") for field in nested(section))
+        return [section, *(path for paths in inner for path in paths)]
+    return [path for section in SECTIONS for path in walk(section)]
 
 
 @functools.cache
 def parameter_names() -> dict[tuple[str, str], str]:
-    """{(section, key): notebook parameter}: the key itself, or ``<section>_<key>`` where
-    another section has that key or a parameter of that name (``study.capture_dtype`` beside
-    ``capture.dtype``), so every name is one (section, key)'s."""
-    keys = [(section, key) for section in SECTIONS for key in fields(section)]
+    """{(section, key): notebook parameter}: the key itself, or prefixed with its section
+    path (dots as ``_``) where another section has that key or a parameter of that name
+    (``study.capture.dtype`` → ``study_capture_dtype`` beside ``capture_dtype``), so every
+    name is one (section, key)'s."""
+    keys = [(section, key) for section in all_sections() for key in fields(section)]
     owners = Counter(key for _, key in keys)
-    names = {(s, k): k if owners[k] == 1 else f"{s}_{k}" for s, k in keys}
+    names = {(s, k): k if owners[k] == 1 else _prefixed(s, k) for s, k in keys}
     taken = Counter(names.values())
-    names = {(s, k): f"{s}_{k}" if taken[name] > 1 else name for (s, k), name in names.items()}
+    names = {(s, k): _prefixed(s, k) if taken[name] > 1 else name
+             for (s, k), name in names.items()}
     assert len(set(names.values())) == len(names), "two section keys share a parameter name"
     return names
+
+
+def _prefixed(section: str, key: str) -> str:
+    return f"{section.replace('.', '_')}_{key}"
 
 
 def parameters(profile: Mapping[str, Any]) -> dict[str, Any]:
@@ -74,6 +112,8 @@ def parameters(profile: Mapping[str, Any]) -> dict[str, Any]:
     flat = {}
     for key, value in profile.items():
         if isinstance(value, Mapping):
+            if key not in SECTIONS:
+                raise ValueError(f"unknown profile section {key!r}; known: {', '.join(SECTIONS)}")
             flat.update(_section_parameters(key, value))
         elif isinstance(value, Scalar):
             flat[key] = value
@@ -83,25 +123,42 @@ def parameters(profile: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _section_parameters(section: str, values: Mapping[str, Any]) -> dict[str, Any]:
-    if section not in SECTIONS:
-        raise ValueError(f"unknown profile section {section!r}; known: {', '.join(SECTIONS)}")
-    unknown = sorted(set(values) - set(fields(section)))
+    subsections = nested(section)
+    unknown = sorted(set(values) - set(fields(section)) - set(subsections))
     if unknown:
         raise ValueError(f"section {section!r}: {unknown} are not parameters of "
-                         f"{SECTIONS[section]} (it takes {', '.join(fields(section))})")
-    bad = [key for key, value in values.items() if not isinstance(value, Scalar)]
+                         f"{_described(section)} (it takes {', '.join(fields(section))}"
+                         f"{''.join(f', {name}: {{...}}' for name in subsections)})")
+    bad = [key for key, value in values.items()
+           if not isinstance(value, Mapping if key in subsections else Scalar)]
     if bad:
-        raise ValueError(f"section {section!r}: {bad} must be scalars (tuples: 'a,b')")
+        mappings = f"; {', '.join(subsections)}: mappings" if subsections else ""
+        raise ValueError(f"section {section!r}: {bad} must be scalars (tuples: 'a,b'){mappings}")
     names = parameter_names()
-    return {names[section, key]: value for key, value in values.items()}
+    flat = {names[section, key]: value for key, value in values.items() if key not in subsections}
+    for key in (key for key in subsections if key in values):
+        flat.update(_section_parameters(f"{section}.{key}", values[key]))
+    return flat
+
+
+def _described(section: str) -> str:
+    """``module:builder`` of a top-level section, the dataclass of a nested one."""
+    made = builder(section)
+    return SECTIONS[section] if section in SECTIONS else f"{made.__module__}:{made.__qualname__}"
 
 
 def section(values: Mapping[str, Any], name: str) -> dict[str, Any]:
     """{key: value} of section ``name`` among flat ``values`` (a notebook's ``globals()``,
-    or ``parameters(profile)``), tuple fields split from their comma-separated strings."""
+    or ``parameters(profile)``), tuple fields split from their comma-separated strings; a
+    nested section whose keys are there as its dataclass, built from them."""
     names = parameter_names()
-    return {key: _typed(values[names[name, key]], default)
-            for key, default in fields(name).items() if names[name, key] in values}
+    found = {key: _typed(values[names[name, key]], default)
+             for key, default in fields(name).items() if names[name, key] in values}
+    for key, made in nested(name).items():
+        inner = section(values, f"{name}.{key}")
+        if inner:
+            found[key] = made(**inner)
+    return found
 
 
 def _typed(value: Any, default: Any) -> Any:

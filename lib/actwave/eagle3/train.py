@@ -63,7 +63,7 @@ class TrainConfig:
     EAGLE-3 itself trains with 7 TTT steps, lr 1e-4 and a 32k draft vocabulary (gpu profile).
     """
 
-    layer_ids: tuple[int, ...]
+    layer_ids: tuple[int, ...] = ()      # empty: a template (``StudyConfig.train``), no draft
     ttt_steps: int = 3
     gamma: float = 0.8
     lr: float = 1e-3
@@ -555,6 +555,8 @@ def train_draft(store, target, config: TrainConfig, out_dir, progress: bool = Tr
     checkpoint kept and nothing marked complete; a checkpoint write that fails leaves no
     temp folder. ``segment``: another schedule, a stop step, a start checkpoint (``Segment``).
     """
+    if not config.layer_ids:
+        raise ValueError("TrainConfig.layer_ids is empty (a template): a draft needs its layers")
     check_store_target(store, target)
     if eval_store is not None:
         check_store_target(eval_store, target, "evaluation")

@@ -344,8 +344,10 @@ def study_needs(shape: Shape, p: dict, rates: dict, where: str, extra_k: bool) -
     """Notebooks 08-11 of the layer-set study for one model, from the study profile's keys."""
     per_token = (shape.layers + 1) * shape.dim * 2 + COLUMN_BYTES
     study = section(p, "study")
-    splits = {"train": study["train_sequences"], "eval": study["eval_sequences"]}
-    seq, new = study["max_seq_len"], study["regen_new_tokens"]
+    capture, train = study["capture"], study["train"]
+    splits = {"train": capture.n_sequences, "eval": study["eval_sequences"]}
+    sizes = {"train": "study.capture.n_sequences", "eval": "study.eval_sequences"}
+    seq, new = capture.max_seq_len, capture.regen_new_tokens
     needs = [Need("08 regenerate train + eval replies",
                   f"{sum(splits.values())} replies × ≤ {new} tokens",
                   sum(splits.values()) * new * shape.forward_flops / rates["regenerate"])]
@@ -354,17 +356,18 @@ def study_needs(shape: Shape, p: dict, rates: dict, where: str, extra_k: bool) -
         needs.append(Need(f"08 capture {split} store", f"{sequences} seqs × ≤ {seq} ≈ "
                           f"{tokens:,} tokens × {per_token / 1e3:.1f} kB",
                           tokens * shape.forward_flops / rates["capture"], tokens * per_token,
-                          "disk", f"study.{split}_sequences or study.max_seq_len"))
-    drafts, steps, batch = study_drafts(p, extra_k), study["train_steps"], study["batch_size"]
+                          "disk", f"{sizes[split]} or study.capture.max_seq_len"))
+    drafts, steps, batch = study_drafts(p, extra_k), train.total_steps, train.batch_size
     runs = drafts * steps + study["curve_factor"] * steps  # + the default's learning curve
-    vocab, ttt = study["draft_vocab_size"], study["ttt_steps"]
+    vocab, ttt = train.draft_vocab_size, train.ttt_steps
     flops = draft_train_flops_per_token(shape, 3, vocab, ttt, seq)
     parts = draft_train_bytes(shape, 3, vocab, ttt, batch, seq, 4)
     needs.append(Need(f"08 train ≤ {drafts} drafts + curve",
                       f"{steps} steps × {batch} × ≤ {seq} each, the default's curve "
                       f"{study['curve_factor']}× as long",
                       runs * batch * seq * FILL * flops / rates["train"], sum(parts.values()),
-                      where, "study.batch_size, study.max_seq_len or study.draft_vocab_size"))
+                      where, "study.train.batch_size, study.train.max_seq_len or "
+                      "study.train.draft_vocab_size"))
     report = Need("10 study report", "reads the records of 08-09; permutation tests", None)
     return needs + decode_needs(shape, p, rates) + [report] + sensitivity_needs(shape, p, rates)
 

@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "score offline τ̂ on held-out text and recommend by the rule printed")
     group.add_argument("--budget", type=int, default=None,
                        help="training steps per draft (default: the rank-stability table's "
-                            "budget, else the study profile's train_steps)")
+                            "budget, else the study profile's study.train.total_steps)")
     group.add_argument("--seeds", type=int, default=3,
                        help=f"seeds per set (≥ {study_stats.MIN_UNITS}: the bootstrap resamples "
                             "seeds; default 3)")
@@ -117,14 +117,15 @@ def default_budget(slug: str, profile: dict, results: Path | None = None,
     Looked up in the study's rank-stability table (``results/study/*rank_stability*.csv``,
     columns ``model``, ``train_steps``, ``predicts``: the smallest ``train_steps`` whose
     ``predicts`` is true for this model). Until that table exists, the study profile's
-    per-draft budget (``study.train_steps`` of ``profile``) with ``NOT_MEASURED`` as the note.
+    per-draft budget (``study.train.total_steps`` of ``profile``) with ``NOT_MEASURED`` as the
+    note.
     """
     results = Path(results or results_dir(STUDY_PROFILE))
     for table in sorted(results.glob(RANK_STABILITY_GLOB)):
         steps = _stable_steps(table, slug)
         if steps is not None:
             return Budget(steps, f"{table.name} (rank stability)")
-    return Budget(int(profile["study"]["train_steps"]), f"study.train_steps of "
+    return Budget(int(profile["study"]["train"]["total_steps"]), f"study.train.total_steps of "
                   f"profiles/{profile_name}.yaml, the study's per-draft budget", NOT_MEASURED)
 
 
@@ -184,14 +185,16 @@ def study_config(model: str, profile: dict, steps: int) -> runs.StudyConfig:
     and a rerun keeps every finished draft.
     """
     config = build("study", parameters(profile), model=model)
-    return replace(config, train_steps=steps, warmup_steps=min(config.warmup_steps, steps),
-                   checkpoint_every=min(config.checkpoint_every, steps), n_random=0, n_seeds=1,
-                   extra_k="", curve_factor=1)
+    train = replace(config.train, total_steps=steps,
+                    warmup_steps=min(config.train.warmup_steps, steps),
+                    checkpoint_every=min(config.train.checkpoint_every, steps))
+    return replace(config, train=train, n_random=0, n_seeds=1, extra_k="", curve_factor=1)
 
 
 def records_dir(slug: str, config: runs.StudyConfig) -> Path:
-    """Where this model's validation records live: one folder per study config."""
-    return cache_dir() / "validate" / f"{slug}-{config_hash(asdict(config))}"
+    """Where this model's validation records live: one folder per study config (named by
+    its flat layout, as the records are keyed: folders made before the nested config stay)."""
+    return cache_dir() / "validate" / f"{slug}-{config_hash(config.flat())}"
 
 
 # ----------------------------------------------------------------------------- the cost
@@ -225,12 +228,12 @@ def prepare(config: runs.StudyConfig, slug: str, device: str, profile_name: str)
     from actwave.capture.models import DTYPES
     from actwave.capture.store import regen_config, run_capture
 
-    target, tokenizer = model_zoo.load(config.model, dtype=DTYPES[config.capture_dtype],
+    target, tokenizer = model_zoo.load(config.model, dtype=DTYPES[config.capture.dtype],
                                        device=device)
     pinned = results_dir(profile_name) / slug / "regenerated"
     stores = {}
     for split in ("train", "eval"):
-        capture = config.capture(split)
+        capture = config.capture_for(split)
         if pinned.is_dir():
             regenerate.restore(regen_config(capture), pinned)
         stores[split] = run_capture(capture, target, tokenizer, device=device)
