@@ -43,11 +43,13 @@ def test_budget_falls_back_to_the_study_budget_until_rank_stability_exists(tmp_p
     assert budget.source.startswith("study.train.total_steps of profiles/study.yaml")
     assert "rank stability across budgets not yet measured" in budget.note
     (tmp_path / "12_rank_stability.csv").write_text(
-        "model,train_steps,predicts\nsmollm2-135m,32,false\nsmollm2-135m,128,true\n"
-        "smollm2-135m,256,true\ngemma3-270m,64,true\n")
+        "model,train_steps,versus,predicts\nsmollm2-135m,32,2048,false\n"
+        "smollm2-135m,128,2048,true\nsmollm2-135m,256,2048,true\ngemma3-270m,64,256,true\n")
     budget = validate.default_budget("smollm2-135m", STUDY_64, tmp_path)
     assert (budget.steps, budget.note) == (128, None)
-    assert "12_rank_stability.csv" in budget.source
+    assert "12_rank_stability.csv" in budget.source and "predicts the one at 2048" in budget.source
+    partial = validate.default_budget("gemma3-270m", STUDY_64, tmp_path)  # long runs not done
+    assert partial.steps == 64 and "only up to 256 steps of the planned 2048" in partial.note
 
 
 def records(label, layers, accepted_by_seed, roots=10):

@@ -122,19 +122,37 @@ def default_budget(slug: str, profile: dict, results: Path | None = None,
     """
     results = Path(results or results_dir(STUDY_PROFILE))
     for table in sorted(results.glob(RANK_STABILITY_GLOB)):
-        steps = _stable_steps(table, slug)
-        if steps is not None:
-            return Budget(steps, f"{table.name} (rank stability)")
+        found = _stable_steps(table, slug)
+        if found is not None:
+            steps, versus = found
+            planned = max(build("longrun", parameters(profile), model=slug).budgets)
+            return Budget(steps, f"{table.name} (rank stability: the ranking at {steps} steps "
+                          f"predicts the one at {versus or '?'})", _partial_note(versus, planned))
     return Budget(int(profile["study"]["train"]["total_steps"]), f"study.train.total_steps of "
                   f"profiles/{profile_name}.yaml, the study's per-draft budget", NOT_MEASURED)
 
 
-def _stable_steps(table: Path, slug: str) -> int | None:
-    """The smallest ``train_steps`` of ``slug`` whose ranking ``predicts`` the long runs."""
+def _stable_steps(table: Path, slug: str) -> tuple[int, int | None] | None:
+    """(the smallest ``train_steps`` of ``slug`` whose ranking ``predicts`` the largest
+    budget's, that budget (``versus``; None in a table without it)), or None."""
     with table.open() as f:
         rows = [r for r in csv.DictReader(f) if r.get("model") == slug
                 and str(r.get("predicts", "")).strip().lower() in ("true", "1", "yes")]
-    return min((int(float(r["train_steps"])) for r in rows), default=None)
+    if not rows:
+        return None
+    best = min(rows, key=lambda r: int(float(r["train_steps"])))
+    versus = best.get("versus")
+    return int(float(best["train_steps"])), int(float(versus)) if versus else None
+
+
+def _partial_note(versus: int | None, planned: int) -> str | None:
+    """Say so while the long runs have not reached their largest planned budget (``planned``,
+    the profile's ``longrun`` section): the ranking is then checked against drafts that are
+    still learning."""
+    if versus is not None and versus >= planned:
+        return None
+    return (f"rank stability so far measured only up to {versus or '?'} steps of the planned "
+            f"{planned}: the short-run ranking may not predict converged drafts")
 
 
 # ----------------------------------------------------------------------------- the sets
