@@ -24,8 +24,8 @@ batched as online scoring batches them, so scoring equals online scoring. The tr
 branches resume from checkpoints at step granularity, and a finished record is never
 redone. Jobs run in ``plan`` order: the 1× and 4× budgets whole across all sets and seeds,
 then one (seed, set) trunk at a time through 16× and 32× (seed 0 of every set first).
-``status`` says what is done and estimates what is left. Statistics over the records: ``actwave.study.stats``
-(``rank_stability``, ``budget_curves``, ``budget_comparisons``).
+``status`` says what is done and estimates what is left. Statistics over the records:
+``actwave.study.stats`` (``rank_stability``, ``budget_curves``, ``budget_comparisons``).
 
 Launch (one process; resumable, rerun the same command after an interruption):
 
