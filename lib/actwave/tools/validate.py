@@ -32,6 +32,7 @@ import argparse
 import csv
 import math
 import statistics
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -329,6 +330,7 @@ def run_validation(args: argparse.Namespace, select_result: dict) -> dict:
     """``select --validate``: budget, cost, drafts, comparison and the recommendation."""
     from actwave.capture import models as model_zoo
 
+    started = time.perf_counter()
     slug = model_zoo.slug(args.model)
     profile = load_profile(args.validate_profile)
     budget = (Budget(args.budget, "--budget") if args.budget is not None
@@ -341,7 +343,8 @@ def run_validation(args: argparse.Namespace, select_result: dict) -> dict:
     cost = estimate_cost(slug, budget.steps, len(sets) * args.seeds)
     print(_plan_line(budget, len(sets), args.seeds, cost), flush=True)
     target, stores = prepare(config, slug, args.device, args.validate_profile)
-    records = train_sets(sets, args.seeds, config, target, stores, records_dir(slug, config))
+    folder = records_dir(slug, config)
+    records = train_sets(sets, args.seeds, config, target, stores, folder)
     rows = compare(records, args.alpha, seed=args.seed)
     for row in rows:
         row["picked_by"] = next(c["picked_by"] for c in candidates if c["label"] == row["label"])
@@ -350,7 +353,9 @@ def run_validation(args: argparse.Namespace, select_result: dict) -> dict:
             "default": {"layers": list(default),
                         "tau_hat": float(study_stats.seed_taus(records[DEFAULT_LABEL]).mean())},
             "rows": rows, "recommendation": recommend(rows, default),
-            "records_dir": str(records_dir(slug, config))}
+            "wall_seconds": time.perf_counter() - started,  # capture + drafts + scoring
+            # relative, so a committed JSON names no machine's paths
+            "records_dir": f"<cache>/{folder.relative_to(cache_dir())}"}
 
 
 def _plan_line(budget: Budget, n_sets: int, seeds: int, cost: dict) -> str:
@@ -381,6 +386,9 @@ def format_validation(validation: dict) -> list[str]:
                      f"{'yes' if row['better'] else 'no'}")
     if validation["budget"].get("note"):
         lines.append(f"  note: {validation['budget']['note']}")
+    if "wall_seconds" in validation:
+        lines.append(f"  wall time {validation['wall_seconds'] / 60:.1f} min (capture, training "
+                     "and scoring; drafts already in the cache are read, not retrained)")
     return lines + [f"  rule: {validation['rule']}",
                     f"  -> {tuple(validation['recommendation']['layers'])}: "
                     f"{validation['recommendation']['why']}"]
@@ -399,6 +407,8 @@ def study_evidence(slug: str, results: Path | None = None) -> list[str]:
                             "models:"]
     for table in own or tables:
         lines += _sets_vs_default(table)
+    for table in sorted(results.glob(f"12_study_long_sets_{slug if own else '*'}.csv")):
+        lines += _long_runs(table)
     return lines + _proxy_correlations(results / "10_proxy_correlations.csv")
 
 
@@ -416,6 +426,28 @@ def _sets_vs_default(table: Path) -> list[str]:
         if row["label"] in names:
             lines.append(f"    {names[row['label']]} ({row['layer_ids']}): Δτ̂ "
                          f"{float(row['vs_default_diff']):+.4f} {_ci(row)}")
+    return lines
+
+
+def _long_runs(table: Path) -> list[str]:
+    """The long runs (notebook 12) at their largest budget so far: the default's τ̂ and every
+    set's Δτ̂ vs it with the seed × sequence CI and Holm-adjusted p."""
+    with table.open() as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        return []
+    budget = max(int(r["budget"]) for r in rows)
+    rows = [r for r in rows if int(r["budget"]) == budget]
+    default = next((r for r in rows if r["label"] == DEFAULT_LABEL), None)
+    if default is None:
+        return []
+    model = table.stem.removeprefix("12_study_long_sets_")
+    lines = [f"  {model}, long runs at {budget} steps ({table.relative_to(table.parents[2])}): "
+             f"EAGLE-3 default τ̂ {float(default['tau_hat']):.4f}, {default['n_seeds']} seeds"]
+    for row in sorted((r for r in rows if r["diff"]), key=lambda r: -float(r["diff"])):
+        lines.append(f"    {row['label']}: Δτ̂ {float(row['diff']):+.4f} [95% CI "
+                     f"{float(row['ci_low']):+.4f}, {float(row['ci_high']):+.4f}], "
+                     f"Holm p {float(row['p_holm']):.3f}")
     return lines
 
 
