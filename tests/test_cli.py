@@ -93,7 +93,7 @@ def test_select_on_regenerated_replies_captures_the_targets_own_text(model_folde
     monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
     original = run(model_folder, tmp_path)
     regenerated = run(model_folder, tmp_path, "--source", "regenerated", "--regen-new-tokens", "8")
-    store = CaptureStore(regenerated["store"])
+    store = CaptureStore(tmp_path / "cache" / regenerated["store"])  # relative to the cache
     assert store.manifest["config"]["source"] == "regenerated"
     assert regenerated["store_digest"] != original["store_digest"]
     assert list((tmp_path / "cache" / "regenerated").iterdir())  # the replies, cached

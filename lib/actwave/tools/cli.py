@@ -39,6 +39,7 @@ import torch
 from actwave.capture.store import run_capture
 from actwave.config import atomic_write_json, repo_root
 from actwave.eagle3.export import ENGINES, engine_layer_ids
+from actwave.index import cache_relative
 from actwave.profile import build, parameters
 from actwave.stats import analysis, selection_report
 from actwave.stats.selection import METHODS
@@ -134,7 +135,7 @@ def run_select(args: argparse.Namespace) -> dict:
     if "eagle3_default" in methods:
         picks["eagle3_default"] = _row(token_sets[filtered], "eagle3_default")
     result = {"model": args.model, "model_digest": store.manifest["model_digest"],
-              "store": str(store.path), "store_digest": store.digest,
+              "store": cache_relative(store.path), "store_digest": store.digest,
               "num_layers": num_layers, "hidden_size": store.hidden_size,
               "k": args.k, "store_tokens": store.n_tokens, "proxy_token_set": filtered,
               "top_proxy_method": config.combined_method,
@@ -206,7 +207,7 @@ def format_report(result: dict) -> str:
     lines = [f"actwave select · {result['model']} (N={result['num_layers']}, "
              f"d={result['hidden_size']}) · k={result['k']} · {result['store_tokens']:,} "
              f"captured tokens · {result['seconds']:.0f} s",
-             f"model files {result['model_digest']} · store {result['store']}", ""]
+             f"model files {result['model_digest']} · store <cache>/{result['store']}", ""]
     for label, token_set in result["token_sets"].items():
         lines += _method_table(label, token_set, result) + [""]
     lines += [f"Percentiles: share of all C({result['num_layers']}, {result['k']}) = "

@@ -376,14 +376,14 @@ def format_validation(validation: dict) -> list[str]:
              f"({validation['budget']['source']}), {validation['seeds']} seeds per set, "
              "offline τ̂ on held-out regenerated replies",
              f"  {'set':<24}{'layers':<16}{'τ̂':>8}{'Δτ̂':>10}{'95% CI':>22}"
-             f"{'Holm bound':>12}  better",
+             f"{'Holm bound':>12}  better  picked by",
              f"  {'EAGLE-3 default':<24}{str(tuple(default['layers'])):<16}"
              f"{default['tau_hat']:>8.4f}"]
     for row in validation["rows"]:
         ci = f"[{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]"
         lines.append(f"  {row['label']:<24}{str(tuple(row['layers'])):<16}{row['tau_hat']:>8.4f}"
                      f"{row['diff']:>+10.4f}{ci:>22}{row['holm_lower']:>+12.4f}  "
-                     f"{'yes' if row['better'] else 'no'}")
+                     f"{'yes' if row['better'] else 'no':<8}{', '.join(row.get('picked_by', []))}")
     if validation["budget"].get("note"):
         lines.append(f"  note: {validation['budget']['note']}")
     if "wall_seconds" in validation:
