@@ -11,7 +11,9 @@ DECIMAL = re.compile(r"(?<![\w.])-?\d+\.\d+(?!\d*e-?\d)")  # not a mantissa: 7.5
 MAX_README_LINES = 350
 # a block marked <!-- NAME:start --> … <!-- NAME:end --> holds numbers of this results folder
 BLOCK_FOLDERS = {"results": "results/cpu", "study": "results/study",
-                 "benchmarks": "results/benchmarks"}
+                 "benchmarks": "results/benchmarks", "select": "results/select"}
+# the tables of a folder: CSV, except select's (the --json files of real `select` runs)
+TABLE_GLOB = {"select": "*.json"}
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -31,9 +33,9 @@ def table_decimals(block: str) -> list[str]:
     return [number for row in rows for number in DECIMAL.findall(row)]
 
 
-def committed_values(folder: Path) -> list[float]:
-    """Every number in the folder's CSV tables (cells and CI strings alike)."""
-    return [float(x) for path in sorted(folder.glob("*.csv"))
+def committed_values(folder: Path, pattern: str = "*.csv") -> list[float]:
+    """Every number in the folder's tables (cells and CI strings alike)."""
+    return [float(x) for path in sorted(folder.glob(pattern))
             for x in re.findall(r"-?\d+(?:\.\d+)?(?:e-?\d+)?", path.read_text())]
 
 
@@ -50,6 +52,15 @@ def test_readme_result_tables_come_from_the_cpu_tables():
     assert len(printed) >= 4  # the block has its table (the rest: docs/PROFILES.md)
     missing = unbacked(printed, committed_values(ROOT / "results" / "cpu"))
     assert not missing, f"README numbers in no results/cpu table: {missing}"
+
+
+def test_readme_select_numbers_come_from_the_committed_select_runs():
+    """Every decimal in the select block is in the JSON of a committed `select --validate` run."""
+    block = results_block((ROOT / "README.md").read_text(), "select")
+    printed = DECIMAL.findall(block)
+    assert len(printed) >= 8
+    missing = unbacked(printed, committed_values(ROOT / "results" / "select", "*.json"))
+    assert not missing, f"README select numbers in no results/select run: {missing}"
 
 
 def test_readme_study_numbers_come_from_the_study_tables():
@@ -119,7 +130,8 @@ def test_anchors_follow_github():
 def test_docs_results_tables_come_from_committed_tables(path):
     for name, block in marked_blocks(path.read_text()):
         printed = table_decimals(block) if name != "study" else DECIMAL.findall(block)
-        missing = unbacked(printed, committed_values(ROOT / BLOCK_FOLDERS[name]))
+        missing = unbacked(printed, committed_values(ROOT / BLOCK_FOLDERS[name],
+                                                     TABLE_GLOB.get(name, "*.csv")))
         assert not missing, f"{path.name} {name} block: numbers in no {BLOCK_FOLDERS[name]} table: {missing}"
 
 
