@@ -2,6 +2,7 @@
 planner, rank stability and Holm-adjusted comparisons."""
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -186,6 +187,18 @@ def test_positions_round_trip_and_walk_matches_decode_walk():
 
 
 # ----------------------------------------------------------------------------- planner
+def test_deadline_stops_new_jobs_but_keeps_finished_records(tmp_path):
+    target = tiny_model("llama")
+    config = _config()
+    jobs = longrun.plan(SETS, config.budgets)
+    run = _run(tmp_path, target)
+    first = longrun.run_jobs(jobs, run, max_jobs=1, progress=False)
+    assert len(first) == 1
+    passed = longrun.run_jobs(jobs, run, progress=False, deadline=time.monotonic() - 1)
+    assert [r["key"] for r in passed] == [r["key"] for r in first]  # read, none started
+    assert not longrun.record_path(run.results_dir, jobs[1]).exists()
+
+
 def test_plan_finishes_whole_budgets_first_and_status_estimates(tmp_path):
     sets = [StudySet("zeta", (1, 2), "random", 1), StudySet(study_stats.PRIMARY, (2, 3), "s", 3),
             StudySet(study_stats.REFERENCE, (1, 3), "default", 3)]

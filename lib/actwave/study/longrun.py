@@ -538,13 +538,19 @@ def branch_draft(record: dict, target, work_dir: Path):
 
 
 def run_jobs(jobs: list[Job], run: LongRun, max_jobs: int | None = None,
-             progress: bool = True) -> list[dict]:
-    """``run_job`` over ``jobs`` in order (the first ``max_jobs`` missing ones)."""
+             progress: bool = True, deadline: float | None = None) -> list[dict]:
+    """``run_job`` over ``jobs`` in order (the first ``max_jobs`` missing ones; none started
+    once ``time.monotonic()`` passes ``deadline``, so a lent machine's time is spent on whole
+    records; the job under way when it passes is finished)."""
     records, trained = [], 0
     for job in jobs:
         if max_jobs is not None and trained >= max_jobs:
             break
-        trained += load_record(record_path(run.results_dir, job), trunk_key(run, job)) is None
+        done = load_record(record_path(run.results_dir, job), trunk_key(run, job)) is not None
+        if not done and deadline is not None and time.monotonic() > deadline:
+            log.info("deadline passed: %s and later jobs not started", job.name)
+            break
+        trained += not done
         records.append(run_job(job, run, progress))
         log.info("%s: tau_hat %.4f", job.name, records[-1]["offline"]["tau_hat"])
     return records
@@ -649,6 +655,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-conversations", type=int, default=400)
     parser.add_argument("--target-dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--max-jobs", type=int, default=None, help="stop after this many jobs")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="start no job after this many minutes (a lent GPU's time)")
     parser.add_argument("--status", action="store_true", help="print done / missing / ETA; exit")
     args = parser.parse_args(argv)
     config = LongRunConfig(model=args.model, base_steps=args.base_steps,
@@ -667,9 +675,10 @@ def main(argv: list[str] | None = None) -> None:
           f" s/step; next {report['missing'][:1]}")
     if args.status:
         return
+    deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
     run = prepare(args.model, config, sets, args.train_conversations, args.eval_conversations,
                   args.target_dtype, results)
-    run_jobs(jobs, run, args.max_jobs)
+    run_jobs(jobs, run, args.max_jobs, deadline=deadline)
 
 
 if __name__ == "__main__":
