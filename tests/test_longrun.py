@@ -310,6 +310,9 @@ def test_rank_vs_largest_says_which_budget_predicts():
                for budget, values in taus.items() for i, t in enumerate(values)]
     rows = study_stats.rank_vs_largest(records, n_permutations=2000)
     assert [(r["budget"], r["versus"], r["n"]) for r in rows] == [(64, 1024, 6), (256, 1024, 6)]
+    partial = records + [_record("set0", 0, 2048, [40] * 4)]  # a budget under way is left out
+    assert study_stats.rank_vs_largest(partial, n_permutations=2000) == rows
+    assert [r["next_budget"] for r in study_stats.rank_stability(partial, 200)] == [256, 1024]
     assert rows[1]["spearman"] == pytest.approx(1.0) and rows[1]["predicts"]
     assert rows[0]["spearman"] == pytest.approx(scipy_stats.spearmanr(taus[64], taus[1024])[0])
     assert not rows[0]["predicts"]

@@ -198,6 +198,22 @@ def by_budget(records: list[dict]) -> dict[int, list[dict]]:
     return dict(sorted(groups.items()))
 
 
+def complete_budgets(records: list[dict]) -> dict[int, list[dict]]:
+    """``by_budget`` restricted to the budgets that hold every (set, seed) of the smallest
+    one: while the long runs are under way, a budget with some sets or seeds missing would
+    rank sets over different seeds (and a lone record is no ranking)."""
+    groups = by_budget(records)
+    if not groups:
+        return {}
+    first = _units(next(iter(groups.values())))
+    return {budget: group for budget, group in groups.items() if _units(group) >= first}
+
+
+def _units(records: list[dict]) -> set[tuple[str, int]]:
+    """The (set label, seed) pairs of ``records``."""
+    return {(r["label"], int(r["seed"])) for r in records}
+
+
 def set_means(records: list[dict]) -> dict[str, float]:
     """{label: τ̂ averaged over its seeds} of records of one budget."""
     return {label: float(seed_taus(group).mean()) for label, group in by_label(records).items()}
@@ -206,11 +222,12 @@ def set_means(records: list[dict]) -> dict[str, float]:
 def rank_stability(records: list[dict], n_permutations: int = 10000, seed: int = 0
                    ) -> list[dict]:
     """Per pair of successive budgets: Spearman ρ and Kendall τ_b (permutation p) between the
-    sets' rankings by mean τ̂ over seeds, over the sets scored at both budgets.
+    sets' rankings by mean τ̂ over seeds, over the sets scored at both budgets; budgets
+    still missing records are left out (``complete_budgets``).
 
     -> rows {"budget", "next_budget", "n", "spearman", "spearman_p", "kendall", "kendall_p"}.
     """
-    means = {budget: set_means(group) for budget, group in by_budget(records).items()}
+    means = {budget: set_means(group) for budget, group in complete_budgets(records).items()}
     budgets = list(means)
     rows = []
     for budget, following in zip(budgets, budgets[1:]):
@@ -226,13 +243,14 @@ def rank_vs_largest(records: list[dict], n_permutations: int = 10000, seed: int 
                     alpha: float = 0.05) -> list[dict]:
     """Does the ranking at a budget predict the ranking at the largest one? Per smaller
     budget: Spearman ρ and Kendall τ_b (permutation p) between the sets' mean τ̂ there and at
-    the largest budget; ``predicts`` when ρ > 0 with p < ``alpha``. The smallest budget that
+    the largest complete budget (``complete_budgets``); ``predicts`` when ρ > 0 with
+    p < ``alpha``. The smallest budget that
     predicts is the budget a short validation can use (``actwave.tools.validate``).
 
     -> rows {"budget", "versus" (the largest budget), "n", "spearman", "spearman_p",
     "kendall", "kendall_p", "predicts"}.
     """
-    means = {budget: set_means(group) for budget, group in by_budget(records).items()}
+    means = {budget: set_means(group) for budget, group in complete_budgets(records).items()}
     if not means:
         return []
     largest = max(means)
