@@ -33,6 +33,7 @@ import csv
 import math
 import statistics
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -430,17 +431,22 @@ def _sets_vs_default(table: Path) -> list[str]:
 
 
 def _long_runs(table: Path) -> list[str]:
-    """The long runs (notebook 12) at their largest budget so far: the default's τ̂ and every
-    set's Δτ̂ vs it with the seed × sequence CI and Holm-adjusted p."""
+    """The long runs (notebook 12) at the largest budget whose every set has its seed × sequence
+    CI (enough seeds; a budget under way has not): the default's τ̂ and every set's Δτ̂ vs it
+    with that CI and the Holm-adjusted p."""
     with table.open() as f:
         rows = list(csv.DictReader(f))
-    if not rows:
+    compared = defaultdict(list)
+    for row in rows:
+        compared[int(row["budget"])].append(row)
+    done = [budget for budget, group in compared.items()
+            if any(r["label"] == DEFAULT_LABEL for r in group) and len(group) > 1
+            and all(r["ci_low"] for r in group if r["label"] != DEFAULT_LABEL)]
+    if not done:
         return []
-    budget = max(int(r["budget"]) for r in rows)
-    rows = [r for r in rows if int(r["budget"]) == budget]
-    default = next((r for r in rows if r["label"] == DEFAULT_LABEL), None)
-    if default is None:
-        return []
+    budget = max(done)
+    rows = compared[budget]
+    default = next(r for r in rows if r["label"] == DEFAULT_LABEL)
     model = table.stem.removeprefix("12_study_long_sets_")
     lines = [f"  {model}, long runs at {budget} steps ({table.relative_to(table.parents[2])}): "
              f"EAGLE-3 default τ̂ {float(default['tau_hat']):.4f}, {default['n_seeds']} seeds"]
