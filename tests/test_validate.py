@@ -148,13 +148,16 @@ def test_study_evidence_is_read_from_the_tables_at_run_time(tmp_path):
         "proxy,token_set,n,spearman,spearman_p,kendall,kendall_p,model\n"
         "renyi2,all,20,0.8,0.001,0.6,0.001,foo\nlogdet,all,20,0.1,0.6,0.1,0.6,foo\n")
     (tmp_path / "12_study_long_sets_foo.csv").write_text(
-        "label,budget,n_seeds,tau_hat,diff,ci_low,ci_high,p_holm\n"
-        "eagle3_default,64,3,1.2,,,,\neagle3_default,256,3,1.36,,,,\n"
-        "last_k,64,3,1.1,-0.1,-0.2,-0.05,0.01\nlast_k,256,3,1.3,-0.06,-0.08,-0.04,0.008\n"
-        "eagle3_default,1024,1,1.5,,,,\nlast_k,1024,1,1.4,-0.1,,,\n")  # 1024: under way
+        "label,budget,n_seeds,tau_hat,diff,ci_low,ci_high,p,primary,p_holm\n"
+        "eagle3_default,64,3,1.2,,,,,,\neagle3_default,256,3,1.36,,,,,,\n"
+        "last_k,64,3,1.1,-0.1,-0.2,-0.05,0.005,False,0.01\n"
+        "last_k,256,3,1.3,-0.06,-0.08,-0.04,0.004,False,0.008\n"
+        "renyi2_exhaustive@filtered,256,3,1.3,-0.02,-0.03,-0.01,0.002,True,0.002\n"
+        "eagle3_default,1024,1,1.5,,,,,,\nlast_k,1024,1,1.4,-0.1,,,,,\n")  # 1024: under way
     lines = "\n".join(validate.study_evidence("foo", tmp_path))
     assert "foo, long runs at 256 steps" in lines and "default τ̂ 1.3600, 3 seeds" in lines
     assert "last_k: Δτ̂ -0.0600 [95% CI -0.0800, -0.0400], Holm p 0.008" in lines
+    assert "@filtered: Δτ̂ -0.0200 [95% CI -0.0300, -0.0100], p 0.002 (the primary" in lines
     assert "Δτ̂ -0.1000 [95% CI -0.2000" not in lines  # only the largest budget
     assert "EAGLE-3 default (2,5,9) τ̂ 1.5000, 3 seeds" in lines
     assert ("renyi2_exhaustive (= greedy_aggregate_entropy) (1,7,9): Δτ̂ +0.1000 "
