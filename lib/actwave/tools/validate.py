@@ -40,6 +40,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from actwave.config import cache_dir, config_hash, results_dir
+from actwave.index import cache_relative
 from actwave.stats.selection import eagle3_default
 from actwave.study import runs, stats as study_stats
 from actwave.profile import build, parameters
@@ -356,7 +357,7 @@ def run_validation(args: argparse.Namespace, select_result: dict) -> dict:
             "rows": rows, "recommendation": recommend(rows, default),
             "wall_seconds": time.perf_counter() - started,  # capture + drafts + scoring
             # relative, so a committed JSON names no machine's paths
-            "records_dir": f"<cache>/{folder.relative_to(cache_dir())}"}
+            "records_dir": f"<cache>/{cache_relative(folder)}"}
 
 
 def _plan_line(budget: Budget, n_sets: int, seeds: int, cost: dict) -> str:
