@@ -93,6 +93,8 @@ for name in model_names:
 # successive budgets and at each budget vs the largest (`predicts`: ρ > 0, p < 0.05).
 # Costs: per budget, one draft's training seconds (trunk to the branch point + its decay) and
 # scoring seconds, medians over all jobs and over those that ran alone (`idle`).
+# Steps: per draft step, TTT agreement vs chained acceptance, the acceptance given a right
+# prefix (`conditional`) and the chain independent errors would give (`report.step_table`).
 
 # %%
 tables = {}
@@ -106,6 +108,7 @@ for name in model_names:
     plots.save_table(tables[name]["sets"], f"{NOTEBOOK}_sets_{slug}", NOTEBOOK, results_dir,
                      sort_by=["budget", "label"])
     plots.save_table(tables[name]["costs"], f"{NOTEBOOK}_costs_{slug}", NOTEBOOK, results_dir)
+    plots.save_table(tables[name]["steps"], f"{NOTEBOOK}_steps_{slug}", NOTEBOOK, results_dir)
     fig = report.plot_tau_vs_budget(tables[name]["sets"], title=name)
     plots.save_figure(fig, f"{NOTEBOOK}_tau_vs_budget_{slug}", NOTEBOOK)
 if tables:

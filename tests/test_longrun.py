@@ -249,7 +249,30 @@ def _record(label, seed, budget, accepted, roots=(10, 10, 10, 10)):
     return {"label": label, "seed": seed, "budget": budget, "layer_ids": [1], "kind": "x",
             "training": {"tokens": 100 * budget},
             "offline": {"per_sequence": [{"accepted": a, "roots": r}
-                                         for a, r in zip(accepted, roots)]}}
+                                         for a, r in zip(accepted, roots)],
+                        "step_agreement": [0.5, 0.4], "step_acceptance": [0.5, 0.25]}}
+
+
+def test_step_table_splits_chained_acceptance_into_conditional_steps():
+    records = [_record("a", seed, 64, [1]) for seed in (0, 1)]
+    records[1]["offline"].update(step_agreement=[0.3, 0.2], step_acceptance=[0.3, 0.03])
+    table = study_report.step_table(records).set_index("step")
+    assert table["agreement"].tolist() == pytest.approx([0.4, 0.3])  # seed means
+    assert table["chained"].tolist() == pytest.approx([0.4, 0.14])
+    assert table["conditional"].tolist() == pytest.approx([0.4, (0.5 + 0.1) / 2])
+    assert table["independent"].tolist() == pytest.approx([0.4, (0.2 + 0.06) / 2])
+
+
+def test_committed_chained_acceptance_equals_the_per_position_lengths():
+    """Two routes to c_i: the scorer's stored step acceptance, and the share of held-out roots
+    whose stored accepted-chain length is > i."""
+    path = next(iter(sorted(longrun.results_folder("smollm2-135m").glob("records/*.json"))))
+    offline = json.loads(path.read_text())["offline"]
+    lengths = np.concatenate([accepted for _, accepted in
+                              longrun.decode_positions(offline["positions"])])
+    assert lengths.size == offline["n_roots"]
+    shares = [(lengths > step).mean() for step in range(offline["depth"])]
+    assert shares == pytest.approx(offline["step_acceptance"], abs=1e-6)
 
 
 def test_rank_stability_matches_scipy():

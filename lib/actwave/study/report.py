@@ -232,7 +232,8 @@ def long_tables(records: list[dict], n_bootstrap: int = 2000, n_permutations: in
       default with its seed × sequence CI and Holm-adjusted p (the primary comparison unadjusted);
     - ``rank_stability``: rankings at successive budgets, and each budget vs the largest
       (``predicts``: the budget's ranking predicts the largest budget's);
-    - ``costs``: per budget, the seconds one draft took (``long_costs``).
+    - ``costs``: per budget, the seconds one draft took (``long_costs``);
+    - ``steps``: per-step agreement vs chained acceptance (``step_table``).
     """
     curves = pd.DataFrame(study_stats.budget_curves(records))
     versus = pd.DataFrame(study_stats.budget_comparisons(records, n_bootstrap=n_bootstrap, seed=seed))
@@ -245,7 +246,31 @@ def long_tables(records: list[dict], n_bootstrap: int = 2000, n_permutations: in
         comparison="next budget"), largest.assign(comparison="largest budget")],
         ignore_index=True)
     return {"sets": sets, "rank_stability": stability.rename(columns={"budget": "train_steps"}),
-            "costs": long_costs(records)}
+            "costs": long_costs(records), "steps": step_table(records)}
+
+
+def step_table(records: list[dict]) -> pd.DataFrame:
+    """Where chained acceptance goes, per budget × set × draft step i (seed means):
+
+    ``agreement`` a_i, the TTT step's top-1 agreement with the target on the target's text
+    (whatever the draft predicted before); ``chained`` c_i, steps 0…i all right (what chain
+    decoding accepts); ``conditional`` c_i / c_(i−1), step i right given a right prefix;
+    ``independent`` a_0·…·a_i, the chain if the steps' errors were independent.
+    """
+    rows = []
+    for record in records:
+        offline = record["offline"]
+        chained = [float(c) for c in offline["step_acceptance"]]
+        agreement = [float(a) for a in offline["step_agreement"]]
+        for step, (agree, chain) in enumerate(zip(agreement, chained)):
+            previous = chained[step - 1] if step else 1.0
+            rows.append({"budget": record["budget"], "label": record["label"], "step": step,
+                         "agreement": agree, "chained": chain,
+                         "conditional": chain / previous if previous > 0 else math.nan,
+                         "independent": float(np.prod(agreement[:step + 1]))})
+    columns = ["budget", "label", "step", "agreement", "chained", "conditional", "independent"]
+    frame = pd.DataFrame(rows, columns=columns)
+    return frame.groupby(columns[:3], as_index=False).mean()
 
 
 # A job with its 2 threads alone on 2 cores keeps the 1-minute load average near 2; above
