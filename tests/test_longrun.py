@@ -266,7 +266,7 @@ def test_step_table_splits_chained_acceptance_into_conditional_steps():
 def test_committed_chained_acceptance_equals_the_per_position_lengths():
     """Two routes to c_i: the scorer's stored step acceptance, and the share of held-out roots
     whose stored accepted-chain length is > i."""
-    path = next(iter(sorted(longrun.results_folder("smollm2-135m").glob("records/*.json"))))
+    path = sorted(longrun.results_folder("smollm2-135m").glob("records/*.json"))[0]
     offline = json.loads(path.read_text())["offline"]
     lengths = np.concatenate([accepted for _, accepted in
                               longrun.decode_positions(offline["positions"])])
