@@ -79,6 +79,28 @@ def test_walk_equals_chain_decoding_tau(greedy_case, depth):
     assert spec.tau > 1.3  # the fitted draft gets multi-token rounds: the test has teeth
 
 
+def test_a_stop_token_accepted_inside_a_round_ends_decoding(greedy_case):
+    """A stop token accepted before a round's bonus token ends the run in that round, as
+    greedy decoding stops there: the same tokens, and the rounds and τ of the walk over the
+    text cut after it (a run that went on would waste rounds and report τ < 1)."""
+    target, prompt, sequence, draft = greedy_case
+    first = prompt.shape[1]
+    result = offline(draft, target, sequence, first, depth=3)
+    accepted_at = dict(zip(result.roots.tolist(), result.accepted.tolist()))
+    reply, root, mid_round = sequence.tolist(), first, None
+    while root < len(reply) - 1 and mid_round is None:  # the decoding rounds, in order
+        if accepted_at[root] >= 1 and reply[root + 1] not in reply[first:root + 1]:
+            mid_round = root + 1  # accepted, not the bonus, and new in the reply
+        root += accepted_at[root] + 1
+    assert mid_round is not None
+    stop = reply[mid_round]
+    spec = generate(target, draft, prompt, len(reply) - first,
+                    shape=TreeShape("chain", depth=3), eos_token_ids=[stop])
+    assert spec.tokens == reply[first:mid_round + 1]
+    tau, rounds = decode_walk(accepted_at, first, mid_round + 1 - first)
+    assert (spec.target_forwards - 1, spec.tau) == (rounds, tau) and spec.tau >= 1
+
+
 def test_tau_hat_counts_every_root_and_reached_steps(greedy_case):
     target, prompt, sequence, draft = greedy_case
     result = offline(draft, target, sequence, prompt.shape[1], depth=3)

@@ -273,7 +273,8 @@ def _skipped(item: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- records
-RUN_FORMAT = "actwave-eval-run-v3"  # v3: prompt_ids on greedy records
+# v3: prompt_ids on greedy records; v4: a stop token accepted inside a round ends the run
+RUN_FORMAT = "actwave-eval-run-v4"
 MANIFEST = "manifest.json"
 
 

@@ -271,7 +271,8 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *,
     accepted: Counter = Counter()
     draft_forwards = 0
     tick = clock.lap("prefill", clock.start)
-    while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+    stopped = tokens[0] in eos
+    while len(tokens) < max_new_tokens and not stopped:
         positions = torch.arange(pending_start, committed, device=device)[None]
         hidden = draft.fuse(states.to(draft.fc.weight.dtype))  # (1, m, H)
         out = draft(torch.tensor([pending_ids], device=device), hidden, positions, None,
@@ -291,6 +292,8 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *,
         pending_ids, pending_start = new_tokens, committed
         committed += len(new_tokens)
         tokens += new_tokens
+        # a stop token accepted before the round's bonus ends the run too (greedy stops there)
+        stopped = not eos.isdisjoint(new_tokens)
         tick = clock.lap("accept", tick)
     tokens = _finish_tokens(tokens, max_new_tokens, eos)
     rounds = sum(accepted.values())
@@ -312,7 +315,8 @@ def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int,
                     logits_to_keep=1).logits
     tokens = [int(logits[0, -1].argmax())]
     tick = clock.lap("prefill", clock.start)
-    while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+    stopped = tokens[0] in eos
+    while len(tokens) < max_new_tokens and not stopped:
         step = torch.tensor([[tokens[-1]]], device=input_ids.device)
         logits = target(input_ids=step, cache=cache, use_cache=True).logits
         tokens.append(int(logits[0, -1].argmax()))
