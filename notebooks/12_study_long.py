@@ -90,7 +90,8 @@ for name in model_names:
 # `diff`, `ci_low`, `ci_high`: τ̂(set) − τ̂(default) with the seed × sequence bootstrap CI;
 # `p_holm`: Holm-adjusted per budget (the primary comparison, `primary`, unadjusted).
 # Rank stability: Spearman and Kendall (permutation p) between the sets' rankings at
-# successive budgets and at each budget vs the largest (`predicts`: ρ > 0, p < 0.05).
+# successive budgets and at each budget vs the largest (`predicts`: ρ > 0, p < 0.05), over
+# the budgets that hold every seed (`seeds` "all") and over seed 0 alone (`seeds` "0").
 # Costs: per budget, one draft's training seconds (trunk to the branch point + its decay) and
 # scoring seconds, medians over all jobs and over those that ran alone (`idle`).
 # Steps: per draft step, TTT agreement vs chained acceptance, the acceptance given a right
@@ -115,7 +116,7 @@ if tables:
     stability = pd.concat([t["rank_stability"].assign(model=model_zoo.slug(name))
                                  for name, t in tables.items()], ignore_index=True)
     plots.save_table(stability, f"{NOTEBOOK}_rank_stability", NOTEBOOK, results_dir,
-                     sort_by=["model", "comparison", "train_steps"])
+                     sort_by=["model", "seeds", "comparison", "train_steps"])
     stability
 
 # %% [markdown]

@@ -342,7 +342,16 @@ def test_rank_vs_largest_says_which_budget_predicts():
     tables = study_report.long_tables(records, n_bootstrap=50, n_permutations=200)
     stability = tables["rank_stability"]
     assert set(stability["comparison"]) == {"next budget", "largest budget"}
-    assert stability.loc[stability["comparison"] == "largest budget", "train_steps"].tolist() == [64, 256]
+    everyone = stability[stability["seeds"] == "all"]
+    assert everyone.loc[everyone["comparison"] == "largest budget", "train_steps"].tolist() == [64, 256]
+    assert everyone.drop(columns="seeds").equals(  # every record is seed 0 here
+        stability[stability["seeds"] == "0"].drop(columns="seeds").reset_index(drop=True))
+    seeds_one = [dict(r, seed=1) for r in records if r["budget"] < 1024]  # seed 1 under way
+    both = study_report.long_tables(records + seeds_one, n_bootstrap=50,
+                                    n_permutations=200)["rank_stability"]
+    largest = both[both["comparison"] == "largest budget"]
+    assert set(largest.loc[largest["seeds"] == "all", "versus"]) == {256}
+    assert set(largest.loc[largest["seeds"] == "0", "versus"]) == {1024}
     assert len(tables["sets"]) == 18 and {"tau_hat", "tau_hat_sd"} <= set(tables["sets"])
     figure = study_report.plot_tau_vs_budget(tables["sets"])
     assert len(figure.axes[0].lines) == 6

@@ -50,6 +50,10 @@ def test_budget_falls_back_to_the_study_budget_until_rank_stability_exists(tmp_p
     assert "12_rank_stability.csv" in budget.source and "predicts the one at 2048" in budget.source
     partial = validate.default_budget("gemma3-270m", STUDY_64, tmp_path)  # long runs not done
     assert partial.steps == 64 and "only up to 256 steps of the planned 2048" in partial.note
+    (tmp_path / "12_rank_stability.csv").write_text(  # seed-0 rows alone are not used
+        "model,train_steps,versus,predicts,seeds\nsmollm2-135m,64,2048,true,0\n"
+        "smollm2-135m,256,2048,true,all\n")
+    assert validate.default_budget("smollm2-135m", STUDY_64, tmp_path).steps == 256
 
 
 def records(label, layers, accepted_by_seed, roots=10):

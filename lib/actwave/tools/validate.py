@@ -137,9 +137,11 @@ def default_budget(slug: str, profile: dict, results: Path | None = None,
 
 def _stable_steps(table: Path, slug: str) -> tuple[int, int | None] | None:
     """(the smallest ``train_steps`` of ``slug`` whose ranking ``predicts`` the largest
-    budget's, that budget (``versus``; None in a table without it)), or None."""
+    budget's, that budget (``versus``; None in a table without it)), or None. Rows of one
+    seed (``seeds`` other than "all": notebook 12's seed-0 rows) are not used."""
     with table.open() as f:
         rows = [r for r in csv.DictReader(f) if r.get("model") == slug
+                and r.get("seeds", "all") in ("all", "")
                 and str(r.get("predicts", "")).strip().lower() in ("true", "1", "yes")]
     if not rows:
         return None
