@@ -165,12 +165,14 @@ def test_chain_rejections_with_swapped_oracle(llama):
 def test_stops_at_eos_inside_an_accepted_run(llama, mode):
     ids = prompt(seed=4)
     reference = greedy_generate(llama, ids, 30).tokens
-    eos = reference[7]
-    first = reference.index(eos)
-    expected = greedy_generate(llama, ids, 30, eos_token_ids=[eos]).tokens
-    assert expected == reference[: first + 1]
+    # a stop token first seen mid-reply (the reply's first token would stop at the prefill)
+    first = next(i for i, token in enumerate(reference) if i >= 3 and token not in reference[:i])
+    eos = reference[first]
+    greedy = greedy_generate(llama, ids, 30, eos_token_ids=[eos])
+    assert greedy.tokens == reference[: first + 1] and greedy.target_forwards == first + 1
     result = generate(llama, oracle_draft(llama, ids), ids, 30, eos_token_ids=[eos], shape=SETTINGS[mode])
-    assert result.tokens == expected
+    assert result.tokens == greedy.tokens
+    assert result.target_forwards < greedy.target_forwards  # the oracle's rounds end there too
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 8])

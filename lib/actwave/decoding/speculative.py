@@ -315,8 +315,7 @@ def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int,
                     logits_to_keep=1).logits
     tokens = [int(logits[0, -1].argmax())]
     tick = clock.lap("prefill", clock.start)
-    stopped = tokens[0] in eos
-    while len(tokens) < max_new_tokens and not stopped:
+    while len(tokens) < max_new_tokens and tokens[-1] not in eos:
         step = torch.tensor([[tokens[-1]]], device=input_ids.device)
         logits = target(input_ids=step, cache=cache, use_cache=True).logits
         tokens.append(int(logits[0, -1].argmax()))
