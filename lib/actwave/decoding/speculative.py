@@ -271,8 +271,8 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *,
     accepted: Counter = Counter()
     draft_forwards = 0
     tick = clock.lap("prefill", clock.start)
-    stopped = tokens[0] in eos
-    while len(tokens) < max_new_tokens and not stopped:
+    # a stop token ends the run wherever a round accepted it, not only as its last token
+    while len(tokens) < max_new_tokens and eos.isdisjoint(tokens):
         positions = torch.arange(pending_start, committed, device=device)[None]
         hidden = draft.fuse(states.to(draft.fc.weight.dtype))  # (1, m, H)
         out = draft(torch.tensor([pending_ids], device=device), hidden, positions, None,
@@ -292,8 +292,6 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *,
         pending_ids, pending_start = new_tokens, committed
         committed += len(new_tokens)
         tokens += new_tokens
-        # a stop token accepted before the round's bonus ends the run too (greedy stops there)
-        stopped = not eos.isdisjoint(new_tokens)
         tick = clock.lap("accept", tick)
     tokens = _finish_tokens(tokens, max_new_tokens, eos)
     rounds = sum(accepted.values())
