@@ -126,7 +126,9 @@ if tables:
 # of depth `ttt_steps`, and the auto shape, under the measured linear routes), with speedups
 # and bootstrap CIs vs our routed greedy. `walk`: per chain record, the offline walk over the
 # same greedy text (one target forward, per-position acceptance) against the decoding τ;
-# `equal` must hold for every record in float32.
+# `equal` must hold for every record in float32. The drafts live only in the cache of the
+# machine that trained them: where they are absent (a fresh clone) the check is skipped and the
+# committed decoding tables stay as they are.
 
 # %%
 decoded = {}
@@ -137,8 +139,14 @@ for name in model_names:
     eval_config = build("eval", globals(), model=name, n_prompts=longrun_decode_prompts,
                         max_new_tokens=longrun_decode_new_tokens, mode="chain",
                         depth=config.ttt_steps, peers=False)
-    result = longrun.decoding_check(name, longrun.load_records(folder),
-                                    [s.label for s in sets], max(config.budgets), eval_config,
+    records, set_labels = longrun.load_records(folder), [s.label for s in sets]
+    absent = longrun.absent_drafts(records, set_labels, max(config.budgets),
+                                   longrun.work_folder(name))
+    if absent:
+        print(name, f"the drafts of {absent} are not on this machine (they stay in the cache of "
+              "the machine that trained them): the committed decoding tables are kept")
+        continue
+    result = longrun.decoding_check(name, records, set_labels, max(config.budgets), eval_config,
                                     routes, acceptance_prompts, folder / "decoding")
     if result is None:
         print(name, f"waiting for every set's seed-0 record at {max(config.budgets)} steps")

@@ -162,6 +162,11 @@ def test_records_per_position_acceptance_reproduces_tau_and_walks(tmp_path):
         longrun.branch_draft({**record, "draft_fingerprint": "0" * 16}, target, run.work_dir)
     with pytest.raises(FileNotFoundError, match="no draft of record"):
         longrun.branch_draft(record, target, tmp_path / "elsewhere")
+    # a fresh clone holds the record but not the draft: the notebook skips the decoding check
+    label, budget = record["label"], record["budget"]
+    assert longrun.absent_drafts([record], [label], budget, run.work_dir) == []
+    assert longrun.absent_drafts([record], [label], budget, tmp_path / "elsewhere") == [label]
+    assert longrun.absent_drafts([record], [label], budget + 1, tmp_path / "elsewhere") == []
 
 
 def test_positions_round_trip_and_walk_matches_decode_walk():

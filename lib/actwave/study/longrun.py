@@ -519,14 +519,19 @@ def run_job(job: Job, run: LongRun, progress: bool = False) -> dict:
     return load_record(path)
 
 
+def branch_folder(record: dict, work_dir: Path) -> Path:
+    """Where the job of ``record`` left its branch (and the draft it scored)."""
+    name = f"{record['label']}-s{record['seed']}-b{record['budget']}"
+    return Path(work_dir) / "branches" / f"{name}-{record['key']}"
+
+
 def branch_draft(record: dict, target, work_dir: Path):
     """The draft a record scored, from the cache (``work_dir/branches``), refused unless its
     weights are the record's (``draft_fingerprint``); FileNotFoundError when this machine
     does not hold it (rerun the job after deleting the record to retrain it)."""
     from actwave.eagle3 import Eagle3Draft
 
-    name = f"{record['label']}-s{record['seed']}-b{record['budget']}"
-    folder = Path(work_dir) / "branches" / f"{name}-{record['key']}"
+    folder = branch_folder(record, work_dir)
     if not (folder / "draft" / "config.json").exists():
         raise FileNotFoundError(f"no draft of record {record['label']} seed {record['seed']} "
                                 f"budget {record['budget']} at {folder}")
@@ -570,6 +575,15 @@ def work_folder(model: str) -> Path:
     from actwave.config import cache_dir
 
     return cache_dir() / "longrun" / slug(model)
+
+
+def absent_drafts(records: list[dict], labels, budget: int, work_dir: Path) -> list[str]:
+    """The ``labels`` whose seed-0 record at ``budget`` is committed but whose draft this
+    machine does not hold: drafts live in the cache of the machine that trained them, so a
+    fresh clone has the records (and tables) but cannot decode them."""
+    chosen = {r["label"]: r for r in records if r["seed"] == 0 and r["budget"] == budget}
+    return [label for label in labels if label in chosen and not
+            (branch_folder(chosen[label], work_dir) / "draft" / "config.json").exists()]
 
 
 def decoding_check(model: str, records: list[dict], labels, budget: int, eval_config,
