@@ -27,7 +27,7 @@ Steps, each resumable (re-running the same command continues where it stopped):
 
 ``./reproduce.sh bench`` runs this, then ``benchmarks/run_all.py`` (which uses this draft).
 
-    .venv/bin/python benchmarks/train_draft.py [--conversations 3200 --steps 3200]
+    .venv/bin/python benchmarks/train_draft.py [--conversations 3200 --steps 3200 --lm-head-init target]
 """
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ class DraftBudget:
     ttt_steps: int = 3
     lr: float = 1e-3
     draft_vocab_size: int = 16384
+    lm_head_init: str = "random"   # "target": the target's output rows of the draft vocab
     checkpoint_every: int = 400    # also the held-out curve's resolution
     seed: int = 0
     eval_conversations: int = 400  # held-out eval-pool conversations (+ as many train ones)
@@ -75,7 +76,8 @@ class DraftBudget:
         return TrainConfig(layer_ids=layer_ids, ttt_steps=self.ttt_steps, lr=self.lr,
                            warmup_steps=self.warmup_steps, total_steps=self.steps,
                            batch_size=self.batch_size, max_seq_len=self.max_seq_len,
-                           draft_vocab_size=self.draft_vocab_size, seed=self.seed,
+                           draft_vocab_size=self.draft_vocab_size,
+                           lm_head_init=self.lm_head_init, seed=self.seed,
                            checkpoint_every=self.checkpoint_every, dtype="float32",
                            eval_sequences=1)
 

@@ -123,4 +123,8 @@ def test_bench_draft_trains_on_the_pool_and_resumes_from_the_pin(tmp_path, monke
     shutil.rmtree(tmp_path / "cache" / "regenerated")
     assert train_draft.main(argv) == draft_dir
     assert (draft_dir / "history.csv").read_text() == history
+    head_from_target = train_draft.main(argv + ["--lm-head-init", "target"])
+    assert head_from_target != draft_dir  # the head's init is part of the draft's key
+    record = json.loads((tmp_path / "out" / "draft.json").read_text())
+    assert record["budget"]["lm_head_init"] == record["train_config"]["lm_head_init"] == "target"
     assert (tmp_path / "cache" / "regenerated").is_dir()
