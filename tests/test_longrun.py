@@ -10,6 +10,7 @@ import torch
 from conftest import random_sequences, tiny_model
 from scipy import stats as scipy_stats
 
+from actwave.config import cpu_name
 from actwave.decoding.acceptance import SequenceAcceptance, tau_hat
 from actwave.eagle3 import train as train_mod
 from actwave.eagle3.online import OnlineSource, train_online
@@ -155,6 +156,7 @@ def test_records_per_position_acceptance_reproduces_tau_and_walks(tmp_path):
         assert rounds == row["walk_rounds"] and tau == pytest.approx(row["walk_tau"], abs=0)
     assert len(offline["step_acceptance"]) == len(offline["step_agreement"]) == 2
     assert record["data"]["eval"] == "online-eval" and record["schedule"]["branch_start"] == 1
+    assert record["machine"]["cpu"] == cpu_name() != ""  # costs are grouped by it
     assert record["data"]["eval_features"] == run.eval.digest
     draft = longrun.branch_draft(record, target, run.work_dir)  # what item 5 decodes
     assert draft.fingerprint() == record["draft_fingerprint"]
@@ -368,6 +370,11 @@ def test_rank_vs_largest_says_which_budget_predicts():
     assert costs["idle_drafts"].tolist() == [3] * 3  # load 3.5 at the end: shared cores
     assert costs["seconds_per_step"].tolist() == pytest.approx([1.5] * 3)
     assert costs["train_seconds_idle"].tolist() == pytest.approx([96.0, 384.0, 1536.0])
+    assert set(costs["cpu"]) == {"unrecorded"}
+    records[0]["machine"]["cpu"] = "Some CPU"  # another machine's seconds are not pooled
+    by_cpu = study_report.long_costs(records)
+    assert by_cpu[["budget", "cpu", "drafts"]].values.tolist()[:2] == [
+        [64, "Some CPU", 1], [64, "unrecorded", 5]]
 
 
 def test_key_sets_take_labels_or_aliases_and_the_best_of_each_family():

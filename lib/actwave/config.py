@@ -80,6 +80,18 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()``: timings from
+    different CPUs (an AVX2 laptop, an AVX-512/AMX server) are not comparable."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     """Write to a temp file in the same folder, then rename: never a half-written file."""
     path = Path(path)

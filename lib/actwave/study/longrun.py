@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actwave.config import atomic_write_json, config_hash, package_versions
+from actwave.config import atomic_write_json, config_hash, cpu_name, package_versions
 from actwave.decoding.acceptance import decode_walk, sequence_acceptance, tau_hat
 from actwave.eagle3.features import (FeatureConfig, TargetFeatures, features_root, open_features,
                                      train_from_features)
@@ -473,7 +473,8 @@ def _machine(target) -> dict:
     """Where the seconds were measured: host, device, threads, and the 1-minute load average
     when the job started (≈ 0 on an idle machine; ``run_job`` adds the one at its end)."""
     return {"host": platform.node(), "processor": platform.processor() or platform.machine(),
-            "device": str(next(target.parameters()).device), "threads": torch.get_num_threads(),
+            "cpu": cpu_name(), "device": str(next(target.parameters()).device),
+            "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(), "load_average": os.getloadavg()[0]}
 
 

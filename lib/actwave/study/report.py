@@ -291,21 +291,24 @@ IDLE_LOAD = 2.5
 
 
 def long_costs(records: list[dict]) -> pd.DataFrame:
-    """What one draft of each budget cost on the device that made it: training seconds to
-    reach the budget (the trunk up to the branch point + the decay branch, as one run
-    without the other budgets would cost), per step, and the scoring seconds; medians over
-    every job and over the idle ones (load average ≤ ``IDLE_LOAD`` at start and end)."""
+    """What one draft of each budget cost on the device (and CPU model) that made it:
+    training seconds to reach the budget (the trunk up to the branch point + the decay
+    branch, as one run without the other budgets would cost), per step, and the scoring
+    seconds; medians over every job and over the idle ones (load average ≤ ``IDLE_LOAD`` at
+    start and end). Records from before the CPU was recorded say "unrecorded"."""
     rows = []
     for record in records:
         training, machine = record.get("training", {}), record.get("machine", {})
         load = max(machine.get("load_average", math.inf), machine.get("load_average_end", math.inf))
         rows.append({"budget": record["budget"], "device": machine.get("device", "?"),
+                     "cpu": machine.get("cpu", "unrecorded"),
                      "seconds": training.get("seconds", math.nan),
                      "score_seconds": training.get("score_seconds", math.nan),
                      "idle": load <= IDLE_LOAD})
-    frame = pd.DataFrame(rows, columns=["budget", "device", "seconds", "score_seconds", "idle"])
+    frame = pd.DataFrame(rows, columns=["budget", "device", "cpu", "seconds", "score_seconds",
+                                        "idle"])
     idle_seconds = frame["seconds"].where(frame["idle"])
-    costs = frame.assign(idle_seconds=idle_seconds).groupby(["budget", "device"]).agg(
+    costs = frame.assign(idle_seconds=idle_seconds).groupby(["budget", "device", "cpu"]).agg(
         drafts=("seconds", "size"), idle_drafts=("idle", "sum"),
         train_seconds=("seconds", "median"), train_seconds_idle=("idle_seconds", "median"),
         score_seconds=("score_seconds", "median")).reset_index()
