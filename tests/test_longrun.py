@@ -237,6 +237,11 @@ def test_plan_finishes_whole_budgets_first_and_status_estimates(tmp_path):
     assert report["by_budget"] == {64: [5, 7], 256: [0, 7], 1024: [0, 7]}
     assert report["seconds_per_step"] == 2.0 and report["score_seconds"] == 10.0
     assert report["remaining_seconds"] == sum(2.0 * steps[j] + 10.0 for j in jobs[5:])
+    here = longrun.record_path(tmp_path, jobs[0])  # one record made on this CPU model
+    here.write_text(json.dumps({"budget": 64, "machine": {"cpu": cpu_name()}, "training": {
+        "seconds": 64.0, "score_seconds": 4.0}}))
+    report = longrun.status(jobs, tmp_path, schedule)
+    assert report["seconds_per_step"] == 1.0 and report["score_seconds"] == 4.0
 
 
 def test_read_sets_takes_the_table_or_given_seeds(tmp_path):

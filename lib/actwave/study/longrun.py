@@ -164,18 +164,21 @@ def status(jobs: list[Job], results_dir: Path, schedule: WSDSchedule,
     """What is done and what is left, from the records on disk.
 
     -> {"done", "missing" (job names in run order), "by_budget" {budget: [done, total]},
-    "seconds_per_step" (median over the records), "score_seconds" (mean per record),
-    "remaining_seconds" (missing jobs' steps × s/step + scoring)}. Before any record the
+    "seconds_per_step" (median over the records made on this CPU model, else over all),
+    "score_seconds" (mean per record, the same records), "remaining_seconds" (missing jobs'
+    steps × s/step + scoring)}. Before any record the
     fallbacks: 1.1 s/step (the online benchmark draft, batch 2 × 320 tokens, 2 idle cores)
     and ~200 s to score 400 held-out sequences (extrapolated from 2.5 s/sequence on one
     thread of a loaded machine).
     """
     records = {j: json.loads(record_path(results_dir, j).read_text()) for j in jobs
                if record_path(results_dir, j).exists()}
-    per_step = [r["training"]["seconds"] / r["budget"] for r in records.values()]
+    timed = ([r for r in records.values() if r.get("machine", {}).get("cpu") == cpu_name()]
+             or list(records.values()))  # another CPU's seconds are a poorer guess
+    per_step = [r["training"]["seconds"] / r["budget"] for r in timed]
     seconds_per_step = float(np.median(per_step)) if per_step else fallback_seconds_per_step
-    score = float(np.mean([r["training"]["score_seconds"] for r in records.values()])
-                  if records else fallback_score_seconds)
+    score = float(np.mean([r["training"]["score_seconds"] for r in timed])
+                  if timed else fallback_score_seconds)
     steps = job_steps(jobs, schedule)
     missing = [j for j in jobs if j not in records]
     by_budget = {b: [sum(j.budget == b for j in records), sum(j.budget == b for j in jobs)]
