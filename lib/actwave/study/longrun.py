@@ -166,10 +166,9 @@ def status(jobs: list[Job], results_dir: Path, schedule: WSDSchedule,
     -> {"done", "missing" (job names in run order), "by_budget" {budget: [done, total]},
     "seconds_per_step" (median over the records made on this CPU model, else over all),
     "score_seconds" (mean per record, the same records), "remaining_seconds" (missing jobs'
-    steps × s/step + scoring)}. Before any record the
-    fallbacks: 1.1 s/step (the online benchmark draft, batch 2 × 320 tokens, 2 idle cores)
-    and ~200 s to score 400 held-out sequences (extrapolated from 2.5 s/sequence on one
-    thread of a loaded machine).
+    steps × s/step + scoring)}. Before any record the fallbacks: 1.1 s/step (the online
+    benchmark draft, batch 2 × 320 tokens, 2 idle cores) and ~200 s to score 400 held-out
+    sequences (extrapolated from 2.5 s/sequence on one thread of a loaded machine).
     """
     records = {j: json.loads(record_path(results_dir, j).read_text()) for j in jobs
                if record_path(results_dir, j).exists()}
