@@ -522,10 +522,15 @@ def run_job(job: Job, run: LongRun, progress: bool = False) -> dict:
     return load_record(path)
 
 
-def branch_folder(record: dict, work_dir: Path) -> Path:
-    """Where the job of ``record`` left its branch (and the draft it scored)."""
+def branch_draft_dir(record: dict, work_dir: Path) -> Path:
+    """Where the job of ``record`` left the draft it scored (``work_dir/branches``)."""
     name = f"{record['label']}-s{record['seed']}-b{record['budget']}"
-    return Path(work_dir) / "branches" / f"{name}-{record['key']}"
+    return Path(work_dir) / "branches" / f"{name}-{record['key']}" / "draft"
+
+
+def seed_zero(records: list[dict], budget: int) -> dict[str, dict]:
+    """The seed-0 records at ``budget`` by set label: the drafts of the decoding check."""
+    return {r["label"]: r for r in records if r["seed"] == 0 and r["budget"] == budget}
 
 
 def branch_draft(record: dict, target, work_dir: Path):
@@ -534,11 +539,11 @@ def branch_draft(record: dict, target, work_dir: Path):
     does not hold it (rerun the job after deleting the record to retrain it)."""
     from actwave.eagle3 import Eagle3Draft
 
-    folder = branch_folder(record, work_dir)
-    if not (folder / "draft" / "config.json").exists():
+    folder = branch_draft_dir(record, work_dir)
+    if not (folder / "config.json").exists():
         raise FileNotFoundError(f"no draft of record {record['label']} seed {record['seed']} "
                                 f"budget {record['budget']} at {folder}")
-    draft = Eagle3Draft.load(folder / "draft", target)
+    draft = Eagle3Draft.load(folder, target)
     if draft.fingerprint() != record["draft_fingerprint"]:
         raise ValueError(f"the draft at {folder} has weights {draft.fingerprint()}, the record "
                          f"scored {record['draft_fingerprint']}")
@@ -584,9 +589,9 @@ def absent_drafts(records: list[dict], labels, budget: int, work_dir: Path) -> l
     """The ``labels`` whose seed-0 record at ``budget`` is committed but whose draft this
     machine does not hold: drafts live in the cache of the machine that trained them, so a
     fresh clone has the records (and tables) but cannot decode them."""
-    chosen = {r["label"]: r for r in records if r["seed"] == 0 and r["budget"] == budget}
+    chosen = seed_zero(records, budget)
     return [label for label in labels if label in chosen and not
-            (branch_folder(chosen[label], work_dir) / "draft" / "config.json").exists()]
+            (branch_draft_dir(chosen[label], work_dir) / "config.json").exists()]
 
 
 def decoding_check(model: str, records: list[dict], labels, budget: int, eval_config,
@@ -600,7 +605,7 @@ def decoding_check(model: str, records: list[dict], labels, budget: int, eval_co
     from actwave.capture.models import DTYPES, load, stop_token_ids
     from actwave.decoding import acceptance, fastpath
 
-    chosen = {r["label"]: r for r in records if r["seed"] == 0 and r["budget"] == budget}
+    chosen = seed_zero(records, budget)
     if not set(labels) <= set(chosen):
         return None
     target, tokenizer = load(model, dtype=DTYPES[eval_config.dtype])
