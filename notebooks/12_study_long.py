@@ -121,14 +121,16 @@ if tables:
 
 # %% [markdown]
 # ## Decoding check: the trained drafts at the largest budget
-# Every set's seed-0 draft at the largest budget decodes MT-bench, HumanEval and held-out
-# ShareGPT prompts through the benchmarks' comparison (`actwave.decoding.fastpath`: the chain
-# of depth `ttt_steps`, and the auto shape, under the measured linear routes), with speedups
+# Every set's draft at the largest budget, of the lowest seed that has all of them on this
+# machine (`longrun.decoding_seed`; the tables' `seed` column), decodes MT-bench, HumanEval
+# and held-out ShareGPT prompts through the benchmarks' comparison
+# (`actwave.decoding.fastpath`: the chain of depth `ttt_steps`, and the auto shape, under
+# the measured linear routes), with speedups
 # and bootstrap CIs vs our routed greedy. `walk`: per chain record, the offline walk over the
 # same greedy text (one target forward, per-position acceptance) against the decoding τ;
 # `equal` must hold for every record in float32. The drafts live only in the cache of the
-# machine that trained them: where they are absent (a fresh clone) the check is skipped and the
-# committed decoding tables stay as they are.
+# machine that trained them: where no seed has them all (a fresh clone) the check is skipped
+# and the committed decoding tables stay as they are.
 
 # %%
 decoded = {}
@@ -140,22 +142,21 @@ for name in model_names:
                         max_new_tokens=longrun_decode_new_tokens, mode="chain",
                         depth=config.ttt_steps, peers=False)
     records, set_labels = longrun.load_records(folder), [s.label for s in sets]
-    absent = longrun.absent_drafts(records, set_labels, max(config.budgets),
-                                   longrun.work_folder(name))
-    if absent:
-        print(name, f"the drafts of {absent} are not on this machine (they stay in the cache of "
-              "the machine that trained them): the committed decoding tables are kept")
+    budget = max(config.budgets)
+    decode_seed = longrun.decoding_seed(records, set_labels, budget, longrun.work_folder(name))
+    if decode_seed is None:
+        print(name, f"no seed has every set's draft at {budget} steps on this machine (drafts "
+              "stay in the cache of the machine that trained them): the committed decoding "
+              "tables are kept")
         continue
-    result = longrun.decoding_check(name, records, set_labels, max(config.budgets), eval_config,
+    result = longrun.decoding_check(name, records, set_labels, budget, decode_seed, eval_config,
                                     routes, acceptance_prompts, folder / "decoding")
-    if result is None:
-        print(name, f"waiting for every set's seed-0 record at {max(config.budgets)} steps")
-        continue
     decoded[name] = result
     slug = model_zoo.slug(name)
     plots.save_table(result["summary"], f"{NOTEBOOK}_decoding_{slug}", NOTEBOOK, results_dir)
-    walk = result["walk"].groupby(["label", "benchmark"], as_index=False).agg(
+    walk = result["walk"].groupby(["seed", "label", "benchmark"], as_index=False).agg(
         records=("equal", "size"), equal=("equal", "sum"), decoding_tau=("decoding_tau", "mean"),
         walk_tau=("walk_tau", "mean"))
     plots.save_table(walk, f"{NOTEBOOK}_walk_check_{slug}", NOTEBOOK, results_dir)
-    print(name, f"offline walk = decoding τ on {int(walk.equal.sum())}/{int(walk.records.sum())} records")
+    print(name, f"seed {decode_seed}: offline walk = decoding τ on {int(walk.equal.sum())}/"
+          f"{int(walk.records.sum())} records")

@@ -2,6 +2,7 @@
 planner, rank stability and Holm-adjusted comparisons."""
 import json
 import math
+import shutil
 import time
 
 import numpy as np
@@ -164,11 +165,19 @@ def test_records_per_position_acceptance_reproduces_tau_and_walks(tmp_path):
         longrun.branch_draft({**record, "draft_fingerprint": "0" * 16}, target, run.work_dir)
     with pytest.raises(FileNotFoundError, match="no draft of record"):
         longrun.branch_draft(record, target, tmp_path / "elsewhere")
-    # a fresh clone holds the record but not the draft: the notebook skips the decoding check
+    # a fresh clone holds the record but not the draft: the notebook skips the decoding check;
+    # a machine holding another seed's drafts of every set decodes those
     label, budget = record["label"], record["budget"]
-    assert longrun.absent_drafts([record], [label], budget, run.work_dir) == []
-    assert longrun.absent_drafts([record], [label], budget, tmp_path / "elsewhere") == [label]
-    assert longrun.absent_drafts([record], [label], budget + 1, tmp_path / "elsewhere") == []
+    assert longrun.decoding_seed([record], [label], budget, run.work_dir) == 0
+    assert longrun.decoding_seed([record], [label], budget, tmp_path / "elsewhere") is None
+    assert longrun.decoding_seed([record], [label], budget + 1, run.work_dir) is None
+    assert longrun.decoding_seed([record], [label, "other"], budget, run.work_dir) is None
+    absent_seed_zero = {**record, "key": "0" * 12}  # its branch folder is not on this machine
+    seed_one = {**record, "seed": 1}
+    shutil.copytree(longrun.branch_draft_dir(record, run.work_dir),
+                    longrun.branch_draft_dir(seed_one, run.work_dir))
+    assert longrun.decoding_seed([absent_seed_zero, seed_one], [label], budget,
+                                 run.work_dir) == 1
 
 
 def test_positions_round_trip_and_walk_matches_decode_walk():

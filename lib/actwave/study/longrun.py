@@ -528,9 +528,9 @@ def branch_draft_dir(record: dict, work_dir: Path) -> Path:
     return Path(work_dir) / "branches" / f"{name}-{record['key']}" / "draft"
 
 
-def seed_zero(records: list[dict], budget: int) -> dict[str, dict]:
-    """The seed-0 records at ``budget`` by set label: the drafts of the decoding check."""
-    return {r["label"]: r for r in records if r["seed"] == 0 and r["budget"] == budget}
+def at_seed(records: list[dict], budget: int, seed: int) -> dict[str, dict]:
+    """The records of one ``seed`` at ``budget`` by set label."""
+    return {r["label"]: r for r in records if r["seed"] == seed and r["budget"] == budget}
 
 
 def branch_draft(record: dict, target, work_dir: Path):
@@ -585,29 +585,32 @@ def work_folder(model: str) -> Path:
     return cache_dir() / "longrun" / slug(model)
 
 
-def absent_drafts(records: list[dict], labels, budget: int, work_dir: Path) -> list[str]:
-    """The ``labels`` whose seed-0 record at ``budget`` is committed but whose draft this
-    machine does not hold: drafts live in the cache of the machine that trained them, so a
-    fresh clone has the records (and tables) but cannot decode them."""
-    chosen = seed_zero(records, budget)
-    return [label for label in labels if label in chosen and not
-            (branch_draft_dir(chosen[label], work_dir) / "config.json").exists()]
+def decoding_seed(records: list[dict], labels, budget: int, work_dir: Path) -> int | None:
+    """The lowest seed whose draft of every set in ``labels`` at ``budget`` is on this machine,
+    or None. Drafts live in the cache of the machine that trained them (58 MB each, not
+    committed), so a fresh clone has the records and tables but no draft to decode; any
+    seed's drafts answer the check, as every seed trains every set on the same batches."""
+    for seed in sorted({r["seed"] for r in records if r["budget"] == budget}):
+        chosen = at_seed(records, budget, seed)
+        if set(labels) <= set(chosen) and all(
+                (branch_draft_dir(chosen[label], work_dir) / "config.json").exists()
+                for label in labels):
+            return seed
+    return None
 
 
-def decoding_check(model: str, records: list[dict], labels, budget: int, eval_config,
-                   routes: str, acceptance_prompts: int, out_dir: Path,
-                   work_dir: Path | None = None) -> dict | None:
-    """The trained drafts decoded: every set's seed-0 draft at ``budget`` (the largest)
-    through ``fastpath.compare`` (``eval_config``'s chain, and the auto shape, under
-    ``routes``), and the offline walk of every chain record checked against its decoding τ
-    on the same greedy text (``acceptance.walk_check``). -> {"summary", "walk"}, or None
-    while a set of ``labels`` lacks that record."""
+def decoding_check(model: str, records: list[dict], labels, budget: int, seed: int,
+                   eval_config, routes: str, acceptance_prompts: int, out_dir: Path,
+                   work_dir: Path | None = None) -> dict:
+    """The trained drafts decoded: every set's ``seed`` draft at ``budget`` (the largest;
+    ``decoding_seed``) through ``fastpath.compare`` (``eval_config``'s chain, and the auto
+    shape, under ``routes``), and the offline walk of every chain record checked against its
+    decoding τ on the same greedy text (``acceptance.walk_check``). -> {"summary", "walk"},
+    both with a ``seed`` column."""
     from actwave.capture.models import DTYPES, load, stop_token_ids
     from actwave.decoding import acceptance, fastpath
 
-    chosen = seed_zero(records, budget)
-    if not set(labels) <= set(chosen):
-        return None
+    chosen = at_seed(records, budget, seed)
     target, tokenizer = load(model, dtype=DTYPES[eval_config.dtype])
     dtype = next(target.parameters()).dtype
     drafts = {label: branch_draft(chosen[label], target, work_dir or work_folder(model))
@@ -615,10 +618,10 @@ def decoding_check(model: str, records: list[dict], labels, budget: int, eval_co
     comparison = fastpath.compare(target, tokenizer, drafts, eval_config,
                                   stop_token_ids(tokenizer, model), routes=routes,
                                   acceptance_prompts=acceptance_prompts, out_dir=out_dir,
-                                  run_name="12_decoding")
+                                  run_name=f"12_decoding_s{seed}")
     walk = acceptance.walk_check(target, drafts, comparison.runs["fixed"]["records"],
                                  eval_config.depth)
-    return {"summary": comparison.summary(), "walk": walk}
+    return {"summary": comparison.summary().assign(seed=seed), "walk": walk.assign(seed=seed)}
 
 
 def load_records(folder: Path) -> list[dict]:
