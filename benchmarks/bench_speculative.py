@@ -121,21 +121,27 @@ def compare(args) -> tuple[pd.DataFrame, dict, bool]:
     gain = route_gain(target, tokenizer, target_table, args) if target_table else None
     fixed = dict(mode="tree", depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
     info = {"acceptance": comparison.reach, "shape": comparison.auto, "fixed": fixed,
-            "fixed_predicted": comparison.shapes["fixed"].predicted_speedup,
+            "fixed_shape": comparison.shapes["fixed"],
             "dtype": args.dtype, "route_gain": gain,
             "tables": {"target": target_table} if target_table else {}}
     return rows_of(comparison), info, trained
+
+
+def _prediction(shape) -> str:
+    """The cost model's expectation of a shape: its speedup and the τ behind it."""
+    if shape is None:
+        return ""
+    return f", predicted {shape.predicted_speedup:.2f}x at tau {shape.expected_tokens:.2f}"
 
 
 def summary_rows(table: pd.DataFrame, info: dict, trained: bool) -> list[dict]:
     """One run_all.py row per label: its tokens/s relative to our plain greedy."""
     mark = "" if trained else " [RANDOM draft]"
     shape, fixed = info["shape"], info["fixed"]
-    predicted = info.get("fixed_predicted", float("nan"))
     shapes = {"spec_fixed": f"tree {fixed['depth']}/{fixed['top_k']}/{fixed['total_tokens']}"
-                            + (f", predicted {predicted:.2f}x" if predicted == predicted else ""),
-              "spec_auto": f"auto: {shape.mode} {shape.depth}/{shape.top_k}/{shape.total_tokens}, "
-                           f"predicted {shape.predicted_speedup:.2f}x"}
+                            + _prediction(info.get("fixed_shape")),
+              "spec_auto": f"auto: {shape.mode} {shape.depth}/{shape.top_k}/{shape.total_tokens}"
+                           + _prediction(shape)}
     routed = ", routed linears" if info.get("tables") else ""
     gain = info.get("route_gain")
     rows = [] if not gain else [{

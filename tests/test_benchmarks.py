@@ -70,10 +70,12 @@ def test_speculative_summary_rows_mark_random_drafts_and_report_shapes(monkeypat
     assert [r["ratio"] for r in rows] == [0.8, 0.5, 0.7]
     assert rows[0]["measure"].endswith("(fp32)") and "RANDOM" in rows[2]["measure"]
     assert "speedup/tau 0.40" in rows[1]["detail"] and "tree 4/4/16" in rows[1]["detail"]
-    assert "auto: chain 3/1/4, predicted 1.05x" in rows[2]["detail"]
+    assert "auto: chain 3/1/4, predicted 1.05x at tau 2.10" in rows[2]["detail"]
     info |= {"tables": {"target": object()}, "dtype": "float32",
              "route_gain": {"routed_tokens_per_s": 21.0, "stock_tokens_per_s": 14.0, "identical": True}}
+    info["fixed_shape"] = shape
     routed = bench.summary_rows(table, info, trained=True)
+    assert "tree 4/4/16, predicted 1.05x at tau 2.10" in routed[2]["detail"]
     assert routed[0]["ratio"] == pytest.approx(1.5) and "outputs identical" in routed[0]["detail"]
     assert routed[0]["measure"] == "greedy routed / stock linears tok/s (fp32)"
     assert all(r["measure"].endswith("(fp32, routed linears)") for r in routed[1:])

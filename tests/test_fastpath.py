@@ -36,6 +36,10 @@ def test_both_shapes_decode_exactly_and_say_what_ran(llama, tmp_path, routes):
     assert sorted(result.reach) == [1, 2, 4, 8] and 0 <= result.reach[1][0] <= 1
     draft_rows = summary[summary["label"].isin(["a", "b"])]
     assert draft_rows["predicted_speedup"].notna().all()
+    assert draft_rows["predicted_speedup"].to_numpy() == pytest.approx(
+        (draft_rows["predicted_tau"] * draft_rows["predicted_speedup_per_tau"]).to_numpy())
+    fixed_rows = draft_rows[draft_rows["pass"] == "fixed"]
+    assert (fixed_rows["predicted_tau"] == result.shapes["fixed"].expected_tokens).all()
     assert summary.loc[summary["label"] == "greedy", "predicted_speedup"].isna().all()
     assert result.shapes["fixed"].total_tokens == 6 and result.shapes["fixed"].round_seconds > 0
     assert ("draft a" in result.tables) == (routes == "measured")
