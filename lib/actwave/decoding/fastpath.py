@@ -53,14 +53,13 @@ class Comparison:
                           ignore_index=True).rename(columns={"pass_": "pass"})
         table["speedup_per_tau"] = table["speedup"] / table["tau"]  # share of τ the round cost keeps
         drafts = table["label"].isin(self.runs["fixed"]["drafts"])
-        # the prediction split as the measurement is: τ (from the held-out reach) and the
-        # share of it the round cost keeps (from the cost curve), so a miss shows its source
-        for column, value in (("predicted_speedup", lambda s: s.predicted_speedup),
-                              ("predicted_tau", lambda s: s.expected_tokens),
-                              ("predicted_speedup_per_tau",
-                               lambda s: s.predicted_speedup / s.expected_tokens)):
+        for column, field in (("predicted_speedup", "predicted_speedup"),
+                              ("predicted_tau", "expected_tokens")):
             table[column] = table["pass"].map(
-                {name: value(shape) for name, shape in self.shapes.items()}).where(drafts)
+                {name: getattr(shape, field) for name, shape in self.shapes.items()}).where(drafts)
+        # the prediction split as the measurement is (τ from the held-out reach, the share the
+        # round cost keeps from the cost curve), so a miss shows its source
+        table["predicted_speedup_per_tau"] = table["predicted_speedup"] / table["predicted_tau"]
         return table
 
     @property
