@@ -253,6 +253,24 @@ def test_plan_finishes_whole_budgets_first_and_status_estimates(tmp_path):
     assert report["seconds_per_step"] == 1.0 and report["score_seconds"] == 4.0
 
 
+def test_command_runs_with_the_profiles_settings(capsys, monkeypatch):
+    """`actwave longrun` builds its config from the profile notebook 12 reads (one home)."""
+    seen = {}
+
+    def sets(model, labels, seeds):
+        seen.update(model=model, labels=labels, seeds=seeds)
+        return [StudySet("eagle3_default", (1, 2, 3), "default", seeds)]
+
+    monkeypatch.setattr(longrun, "study_sets", sets)
+    longrun.main(["--profile", "smoke-study", "--model", "smollm2-135m", "--status"])
+    assert seen == {"model": "smollm2-135m", "labels": ["eagle3_default"], "seeds": 1}
+    out = capsys.readouterr().out
+    assert "budgets (2, 4):" in out and "2 jobs" in out and "done 0/2" in out
+    with pytest.raises(SystemExit):
+        longrun.main(["--profile", "smoke", "--status"])
+    assert "profile 'smoke' lacks ['longrun_sets'" in capsys.readouterr().err
+
+
 def test_read_sets_takes_the_table_or_given_seeds(tmp_path):
     path = tmp_path / "sets.csv"
     path.write_text('label,layer_ids,kind,seeds\neagle3_default,"2,15,27",default,3\n'

@@ -29,8 +29,8 @@ then one (seed, set) trunk at a time through 16× and 32× (seed 0 of every set 
 
 Launch (one process; resumable, rerun the same command after an interruption):
 
-    python -m actwave.study.longrun --model smollm2-135m            # everything, in order
-    python -m actwave.study.longrun --model smollm2-135m --status   # done / missing / ETA
+    actwave longrun --model smollm2-135m            # everything, in order (profile "study")
+    actwave longrun --model smollm2-135m --status   # done / missing / ETA
 """
 from __future__ import annotations
 
@@ -663,31 +663,40 @@ def prepare(model: str, config: LongRunConfig, sets: list[StudySet], n_train: in
                     features_root(model), progress)
 
 
+# the profile's top-level keys of the long runs, beside its ``longrun`` section
+PROFILE_KEYS = ("longrun_sets", "longrun_seeds", "longrun_train_conversations",
+                "longrun_eval_conversations")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Command line: plan, status, or run the long study of one model (see module docstring)."""
+    """Command line: status, or run the long study of one model, with the settings of a
+    profile (``profiles/study.yaml``: the ``longrun`` section and the ``longrun_*`` keys, the
+    same values notebook 12 reads), so the command and the notebook write the same records."""
     import argparse
 
-    from actwave.capture.models import DTYPES
+    from actwave.profile import build, parameters
+    from actwave.tools.runplan import load_profile
 
     parser = argparse.ArgumentParser(description="Layer sets at matched, decayed budgets.")
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--profile", default="study", help="the profile whose settings run")
     parser.add_argument("--labels", default=None, help="comma-separated set labels of the 1× "
-                        "study, or 'all' (default: the pre-registered key sets)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per set")
-    parser.add_argument("--multipliers", default="1,4,16,32", help="budgets in base-step units")
-    parser.add_argument("--base-steps", type=int, default=64)
-    parser.add_argument("--train-conversations", type=int, default=3200)
-    parser.add_argument("--eval-conversations", type=int, default=400)
-    parser.add_argument("--target-dtype", default="float32", choices=sorted(DTYPES))
+                        "study, or 'all' (default: the profile's longrun_sets)")
     parser.add_argument("--max-jobs", type=int, default=None, help="stop after this many jobs")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="start no job after this many minutes (a lent GPU's time)")
     parser.add_argument("--status", action="store_true", help="print done / missing / ETA; exit")
     args = parser.parse_args(argv)
-    config = LongRunConfig(model=args.model, base_steps=args.base_steps,
-                           multipliers=tuple(int(m) for m in args.multipliers.split(",")))
-    labels = args.labels if args.labels in (None, "all") else args.labels.split(",")
-    sets = study_sets(args.model, labels, args.seeds)
+    values = parameters(load_profile(args.profile))
+    missing = [key for key in PROFILE_KEYS if key not in values]
+    if missing:
+        parser.error(f"profile {args.profile!r} lacks {missing}: the long runs read them "
+                     "(profiles/study.yaml has them)")
+    config = build("longrun", values, model=args.model)
+    labels = values["longrun_sets"] if args.labels is None else args.labels
+    if labels not in ("", "all"):
+        labels = labels.split(",")
+    sets = study_sets(args.model, labels or None, values["longrun_seeds"])
     jobs = plan(sets, config.budgets)
     results = results_folder(args.model)
     steps = cost(config.schedule())
@@ -701,8 +710,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.status:
         return
     deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
-    run = prepare(args.model, config, sets, args.train_conversations, args.eval_conversations,
-                  args.target_dtype, results)
+    run = prepare(args.model, config, sets, values["longrun_train_conversations"],
+                  values["longrun_eval_conversations"], results=results)
     run_jobs(jobs, run, args.max_jobs, deadline=deadline)
 
 
