@@ -54,6 +54,13 @@ def test_budget_falls_back_to_the_study_budget_until_rank_stability_exists(tmp_p
         "model,train_steps,versus,predicts,seeds\nsmollm2-135m,64,2048,true,0\n"
         "smollm2-135m,256,2048,true,all\n")
     assert validate.default_budget("smollm2-135m", STUDY_64, tmp_path).steps == 256
+    small_text = {"study": {"train": {"total_steps": 64, "batch_size": 2},
+                            "capture": {"n_sequences": 128}}}
+    repeated = validate.default_budget("smollm2-135m", small_text, tmp_path)
+    assert repeated.steps == 256 and "pass 4 times over the 128 training replies" in repeated.note
+    (tmp_path / "12_rank_stability.csv").write_text(
+        "model,train_steps,versus,predicts,seeds\nsmollm2-135m,64,2048,true,all\n")
+    assert validate.default_budget("smollm2-135m", small_text, tmp_path).note is None
 
 
 def records(label, layers, accepted_by_seed, roots=10):

@@ -129,8 +129,10 @@ def default_budget(slug: str, profile: dict, results: Path | None = None,
         if found is not None:
             steps, versus = found
             planned = max(build("longrun", parameters(profile), model=slug).budgets)
+            notes = [_partial_note(versus, planned), _passes_note(steps, profile)]
             return Budget(steps, f"{table.name} (rank stability: the ranking at {steps} steps "
-                          f"predicts the one at {versus or '?'})", _partial_note(versus, planned))
+                          f"predicts the one at {versus or '?'})",
+                          "; ".join(n for n in notes if n) or None)
     return Budget(int(profile["study"]["train"]["total_steps"]), f"study.train.total_steps of "
                   f"profiles/{profile_name}.yaml, the study's per-draft budget", NOT_MEASURED)
 
@@ -158,6 +160,20 @@ def _partial_note(versus: int | None, planned: int) -> str | None:
         return None
     return (f"rank stability so far measured only up to {versus or '?'} steps of the planned "
             f"{planned}: the short-run ranking may not predict converged drafts")
+
+
+def _passes_note(steps: int, profile: dict) -> str | None:
+    """Say so when ``steps`` makes the drafts repeat the validation text: the long runs that
+    set the budget saw each of their 3,200 conversations at most ~1.3 times, while
+    validation trains on the study's ``capture.n_sequences`` replies."""
+    study = profile.get("study", {})
+    n_texts = study.get("capture", {}).get("n_sequences")
+    batch = study.get("train", {}).get("batch_size")
+    if not n_texts or not batch or steps * batch <= 2 * n_texts:
+        return None
+    return (f"{steps} steps × batch {batch} pass {steps * batch / n_texts:.0f} times over the "
+            f"{n_texts} training replies, where the long runs that set this budget saw their "
+            "text ~1 time: these drafts may rank by memorising; --budget sets fewer steps")
 
 
 # ----------------------------------------------------------------------------- the sets
