@@ -163,9 +163,10 @@ def _partial_note(versus: int | None, planned: int) -> str | None:
 
 
 def _passes_note(steps: int, profile: dict) -> str | None:
-    """Say so when ``steps`` makes the drafts repeat the validation text: the long runs that
-    set the budget saw each of their 3,200 conversations at most ~1.3 times, while
-    validation trains on the study's ``capture.n_sequences`` replies."""
+    """Say so when ``steps`` makes the drafts repeat the validation text (more than two
+    passes): the long runs that set the budget see each conversation of their pool
+    (``longrun_train_conversations``) about once, while validation trains on the study's
+    ``capture.n_sequences`` replies."""
     study = profile.get("study", {})
     n_texts = study.get("capture", {}).get("n_sequences")
     batch = study.get("train", {}).get("batch_size")
