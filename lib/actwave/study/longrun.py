@@ -648,15 +648,15 @@ def study_sets(model: str, labels=None, seeds: int = 3,
 
 
 def prepare(model: str, config: LongRunConfig, sets: list[StudySet], n_train: int = 3200,
-            n_eval: int = 400, target_dtype: str = "float32", results: Path | None = None,
-            progress: bool = True) -> LongRun:
-    """Load the target and the text (pools, else ShareGPT) of one model's long runs and
-    compute (or find) the target's features for ``sets`` (``open_run``)."""
+            n_eval: int = 400, results: Path | None = None, progress: bool = True) -> LongRun:
+    """Load the target (float32: its argmax labels every draft) and the text (pools, else
+    ShareGPT) of one model's long runs and compute (or find) the target's features for
+    ``sets`` (``open_run``)."""
     from accelerate import Accelerator
 
-    from actwave.capture.models import DTYPES, load
+    from actwave.capture.models import load
 
-    target, tokenizer = load(model, dtype=DTYPES[target_dtype], device=Accelerator().device)
+    target, tokenizer = load(model, dtype=torch.float32, device=Accelerator().device)
     sources = text_sources(model, tokenizer, config.max_seq_len, n_train, n_eval)
     return open_run(config, target, sources["train"], sources["eval"], sets,
                     Path(results or results_folder(model)), work_folder(model),
