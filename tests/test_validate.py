@@ -2,11 +2,12 @@
 end on the tiny Llama of test_cli with the smoke-study profile's data sizes (seconds)."""
 import json
 import math
+import shutil
 
 import pytest
 
 from actwave import index
-from actwave.study import runs
+from actwave.study import longrun, runs
 from actwave.tools import cli, validate
 from test_cli import NUM_LAYERS, model_folder  # noqa: F401  (the module-scoped fixture)
 
@@ -53,14 +54,15 @@ def test_budget_falls_back_to_the_study_budget_until_rank_stability_exists(tmp_p
     (tmp_path / "12_rank_stability.csv").write_text(  # seed-0 rows alone are not used
         "model,train_steps,versus,predicts,seeds\nsmollm2-135m,64,2048,true,0\n"
         "smollm2-135m,256,2048,true,all\n")
-    assert validate.default_budget("smollm2-135m", STUDY_64, tmp_path).steps == 256
-    small_text = {"study": {"train": {"total_steps": 64, "batch_size": 2},
-                            "capture": {"n_sequences": 128}}}
-    repeated = validate.default_budget("smollm2-135m", small_text, tmp_path)
-    assert repeated.steps == 256 and "pass 4 times over the 128 training replies" in repeated.note
-    (tmp_path / "12_rank_stability.csv").write_text(
-        "model,train_steps,versus,predicts,seeds\nsmollm2-135m,64,2048,true,all\n")
-    assert validate.default_budget("smollm2-135m", small_text, tmp_path).note is None
+    from_table = validate.default_budget("smollm2-135m", STUDY_64, tmp_path)
+    assert from_table.steps == 256 and from_table.text == "longrun"  # measured on long runs
+    assert validate.default_budget("smollm2-135m", STUDY_64, tmp_path / "none").text == "study"
+
+
+def test_passes_note_warns_only_when_the_budget_repeats_the_text():
+    assert "pass 4 times over the 128 training texts" in validate._passes_note(256, 2, 128)
+    assert validate._passes_note(128, 2, 128) is None  # two passes: no note
+    assert validate._passes_note(1024, 2, 3200) is None  # the long runs' pool at 1,024 steps
 
 
 def records(label, layers, accepted_by_seed, roots=10):
@@ -142,6 +144,38 @@ def test_a_candidate_forced_better_is_recommended(model_folder, tmp_path,  # noq
     layers = result["recommendation"]["layers"]
     assert result["engine_ids"]["recommended"]["vllm>=pr36063"]["ids"] == layers
     assert f"RECOMMENDATION: {tuple(layers)} ({top})" in capsys.readouterr().out
+
+
+def test_validate_on_the_long_runs_text_reads_committed_records(model_folder, tmp_path,  # noqa: F811
+                                                                capsys, monkeypatch):
+    """--validate-text longrun: every (set, seed) is a long-run job at the budget on the
+    smoke-study profile's pools (6 train / 3 held-out conversations); a committed long-run
+    record with the same layers, seed and key is read instead of trained."""
+    monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path / "cache"))
+    extra = ("--validate-text", "longrun", "--budget", "4")
+    validation = run_validate(model_folder, tmp_path, *extra)["validation"]
+    assert validation["text"]["kind"] == "longrun" and validation["text"]["reused"] == []
+    assert (validation["text"]["train_texts"], validation["text"]["eval_texts"]) == (6, 3)
+    assert "on the long runs' text (6 train-pool conversations, 3 held-out" in \
+        capsys.readouterr().out
+    assert all(math.isfinite(r["diff"]) for r in validation["rows"])
+    own = tmp_path / "cache" / validation["records_dir"].removeprefix("<cache>/")
+    made = sorted((own / "records").glob("*.json"))
+    assert len(made) == 9 and all(longrun.load_record(path)["budget"] == 4 for path in made)
+
+    committed = tmp_path / "study-long"  # seed-0 records under the study's own labels
+    (committed / "records").mkdir(parents=True)
+    for path in (p for p in made if "-s0-" in p.name):
+        shutil.copy(path, committed / "records" / path.name.replace("layers_", "study_"))
+    shutil.rmtree(own)
+    monkeypatch.setattr(longrun, "results_folder", lambda *args: committed)
+    trained, run_job = [], longrun.run_job
+    monkeypatch.setattr(longrun, "run_job",
+                        lambda job, *a, **k: trained.append(job.seed) or run_job(job, *a, **k))
+    again = run_validate(model_folder, tmp_path, *extra)["validation"]
+    assert sorted(trained) == [1, 1, 1, 2, 2, 2]  # seed 0 of every set was read
+    assert len(again["text"]["reused"]) == 3
+    assert [r["diff"] for r in again["rows"]] == [r["diff"] for r in validation["rows"]]
 
 
 def test_study_evidence_is_read_from_the_tables_at_run_time(tmp_path):

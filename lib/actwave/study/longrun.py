@@ -402,11 +402,15 @@ def features(config: LongRunConfig, target, train: OnlineSource, eval_: OnlineSo
     (computed, resumed, or found in a folder holding more layers): training inputs in
     ``config.feature_dtype``, held-out ones in float32, both batched as online scoring
     (``eval_batch_size``) so scores equal it. The benchmark draft reads the same folders."""
-    train_features = open_features(train, target, FeatureConfig(
-        tuple(layers), config.feature_dtype, config.eval_batch_size), root, progress)
-    eval_features = open_features(eval_, target, FeatureConfig(
-        tuple(layers), "float32", config.eval_batch_size), root, progress)
-    return train_features, eval_features
+    train_config, eval_config = feature_configs(config, layers)
+    return (open_features(train, target, train_config, root, progress),
+            open_features(eval_, target, eval_config, root, progress))
+
+
+def feature_configs(config: LongRunConfig, layers) -> tuple[FeatureConfig, FeatureConfig]:
+    """The features' configs of the train text and of the held-out text."""
+    return (FeatureConfig(tuple(layers), config.feature_dtype, config.eval_batch_size),
+            FeatureConfig(tuple(layers), "float32", config.eval_batch_size))
 
 
 def open_run(config: LongRunConfig, target, train: OnlineSource, eval_: OnlineSource,
@@ -425,8 +429,14 @@ def open_run(config: LongRunConfig, target, train: OnlineSource, eval_: OnlineSo
 def trunk_key(run: LongRun, job: Job) -> str:
     """What a (set, seed)'s trunk, and so each of its records, depends on (the features'
     values, not which other layers they also hold)."""
-    return config_hash({"config": asdict(run.config), "layer_ids": job.layer_ids,
-                        "seed": job.seed, "train": run.train.digest, "eval": run.eval.digest})
+    return job_key(run.config, job, run.train.digest, run.eval.digest)
+
+
+def job_key(config: LongRunConfig, job: Job, train_digest: str, eval_digest: str) -> str:
+    """``trunk_key`` from the features' values digests (``features.values_digest``), which
+    are known before the features are computed."""
+    return config_hash({"config": asdict(config), "layer_ids": job.layer_ids,
+                        "seed": job.seed, "train": train_digest, "eval": eval_digest})
 
 
 def _trunk_dir(run: LongRun, job: Job) -> Path:
@@ -649,18 +659,24 @@ def study_sets(model: str, labels=None, seeds: int = 3,
 
 def prepare(model: str, config: LongRunConfig, sets: list[StudySet], n_train: int = 3200,
             n_eval: int = 400, results: Path | None = None, progress: bool = True) -> LongRun:
-    """Load the target (float32: its argmax labels every draft) and the text (pools, else
-    ShareGPT) of one model's long runs and compute (or find) the target's features for
-    ``sets`` (``open_run``)."""
+    """Load the target and the text of one model's long runs (``load_text``) and compute (or
+    find) the target's features for ``sets`` (``open_run``)."""
+    target, sources = load_text(model, config, n_train, n_eval)
+    return open_run(config, target, sources["train"], sources["eval"], sets,
+                    Path(results or results_folder(model)), work_folder(model),
+                    features_root(model), progress)
+
+
+def load_text(model: str, config: LongRunConfig, n_train: int, n_eval: int
+              ) -> tuple[object, dict[str, OnlineSource]]:
+    """The target (float32: its argmax labels every draft) and the long runs' text of
+    ``model`` (``text_sources``: its pools, else ShareGPT). -> (target, {"train", "eval"})."""
     from accelerate import Accelerator
 
     from actwave.capture.models import load
 
     target, tokenizer = load(model, dtype=torch.float32, device=Accelerator().device)
-    sources = text_sources(model, tokenizer, config.max_seq_len, n_train, n_eval)
-    return open_run(config, target, sources["train"], sources["eval"], sets,
-                    Path(results or results_folder(model)), work_folder(model),
-                    features_root(model), progress)
+    return target, text_sources(model, tokenizer, config.max_seq_len, n_train, n_eval)
 
 
 # the profile's top-level keys of the long runs, beside its ``longrun`` section

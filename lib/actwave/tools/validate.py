@@ -18,13 +18,17 @@ m shrinks, until none is. Among the candidates found better, the largest Δτ̂ 
 Budget (``default_budget``): the steps at which the study's short-run ranking predicts its
 long-run one, read from a rank-stability table once the study has one; until then the study
 profile's per-draft budget, and the output says the short-run ranking may not predict trained
-drafts (``NOT_MEASURED``). Cost (``estimate_cost``): drafts × (steps × the median seconds per
-step + the median scoring seconds of the study's committed records of the model), printed
-before any training; progress is a tqdm bar over drafts and one per draft.
+drafts (``NOT_MEASURED``). Text (``--validate-text``): a budget from the long runs' table is
+trained on the long runs' text and schedule (``actwave.tools.validate_long``, which reads
+committed long-run records of the same key instead of retraining), any other on the 1×
+study's stores; a note says when the steps pass more than twice over the training texts.
+Cost (``estimate_cost``, ``validate_long.estimate_cost``): drafts to train × (steps × the
+median seconds per step + the median scoring seconds of the committed records of the model),
+printed before any training; progress is a tqdm bar over drafts and one per draft.
 
 Records live under ``cache_dir()/validate``, keyed like the study's records (study config,
-training config, store hashes), and the drafts in the one draft cache under the same keys
-(``actwave.index.draft_dir``), so a rerun skips every finished draft.
+training config, store hashes; or the long runs' job keys), and the drafts in the cache
+under the same keys, so a rerun skips every finished draft.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from actwave.index import cache_relative
 from actwave.stats.selection import eagle3_default
 from actwave.study import runs, stats as study_stats
 from actwave.profile import build, parameters
+from actwave.tools import validate_long
 from actwave.tools.runplan import load_profile
 
 RULE = ("recommend the EAGLE-3 default unless a candidate's Δτ̂ vs the default has a one-sided "
@@ -61,6 +66,7 @@ RANK_STABILITY_GLOB = "*rank_stability*.csv"
 DEFAULT_LABEL = "eagle3_default"
 # select's top proxy pick on each token set, as the study labels it
 TOP_PROXY_LABELS = ("renyi2_exhaustive", "renyi2_exhaustive@filtered")
+TEXTS = ("auto", "longrun", "study")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--validate-profile", default=STUDY_PROFILE,
                        help="profile whose study data sizes and training settings are used "
                             "(default: study, the layer-set study's)")
+    group.add_argument("--validate-text", choices=TEXTS, default="auto",
+                       help="what the drafts train and score on: 'longrun', the long runs' "
+                            "pools and schedule (actwave.tools.validate_long); 'study', the "
+                            "1× study's replies; 'auto' (default): longrun when the budget "
+                            "comes from the long runs' rank-stability table, else study")
 
 
 def args_problem(args: argparse.Namespace) -> str | None:
@@ -111,6 +122,7 @@ class Budget:
     steps: int
     source: str
     note: str | None = None
+    text: str = "study"  # the text the budget was measured on: "longrun" or "study"
 
 
 def default_budget(slug: str, profile: dict, results: Path | None = None,
@@ -129,10 +141,9 @@ def default_budget(slug: str, profile: dict, results: Path | None = None,
         if found is not None:
             steps, versus = found
             planned = max(build("longrun", parameters(profile), model=slug).budgets)
-            notes = [_partial_note(versus, planned), _passes_note(steps, profile)]
             return Budget(steps, f"{table.name} (rank stability: the ranking at {steps} steps "
                           f"predicts the one at {versus or '?'})",
-                          "; ".join(n for n in notes if n) or None)
+                          _partial_note(versus, planned), text="longrun")
     return Budget(int(profile["study"]["train"]["total_steps"]), f"study.train.total_steps of "
                   f"profiles/{profile_name}.yaml, the study's per-draft budget", NOT_MEASURED)
 
@@ -162,19 +173,16 @@ def _partial_note(versus: int | None, planned: int) -> str | None:
             f"{planned}: the short-run ranking may not predict converged drafts")
 
 
-def _passes_note(steps: int, profile: dict) -> str | None:
-    """Say so when ``steps`` makes the drafts repeat the validation text (more than two
-    passes): the long runs that set the budget see each conversation of their pool
-    (``longrun_train_conversations``) about once, while validation trains on the study's
-    ``capture.n_sequences`` replies."""
-    study = profile.get("study", {})
-    n_texts = study.get("capture", {}).get("n_sequences")
-    batch = study.get("train", {}).get("batch_size")
+def _passes_note(steps: int, batch: int | None, n_texts: int | None) -> str | None:
+    """Say so when ``steps`` of ``batch`` sequences repeat the ``n_texts`` training texts more
+    than twice: the long runs that set the table's budget see each conversation of their
+    pool about once, and drafts that pass over few texts many times may rank by memorising."""
     if not n_texts or not batch or steps * batch <= 2 * n_texts:
         return None
     return (f"{steps} steps × batch {batch} pass {steps * batch / n_texts:.0f} times over the "
-            f"{n_texts} training replies, where the long runs that set this budget saw their "
-            "text ~1 time: these drafts may rank by memorising; --budget sets fewer steps")
+            f"{n_texts} training texts, where the long runs that set the table's budget saw "
+            "theirs ~1 time: these drafts may rank by memorising; --budget sets fewer steps, "
+            "--validate-text longrun trains on the long runs' pool")
 
 
 # ----------------------------------------------------------------------------- the sets
@@ -348,7 +356,7 @@ def recommend(rows: list[dict], default_layers) -> dict:
 
 
 def run_validation(args: argparse.Namespace, select_result: dict) -> dict:
-    """``select --validate``: budget, cost, drafts, comparison and the recommendation."""
+    """``select --validate``: budget, text, cost, drafts, comparison and the recommendation."""
     from actwave.capture import models as model_zoo
 
     started = time.perf_counter()
@@ -356,21 +364,18 @@ def run_validation(args: argparse.Namespace, select_result: dict) -> dict:
     profile = load_profile(args.validate_profile)
     budget = (Budget(args.budget, "--budget") if args.budget is not None
               else default_budget(slug, profile, profile_name=args.validate_profile))
-    config = study_config(args.model, profile, budget.steps)
+    text = budget.text if args.validate_text == "auto" else args.validate_text
     candidates = candidate_sets(select_result, args.candidates)
     default = eagle3_default(select_result["num_layers"])
     sets = [runs.StudySet(DEFAULT_LABEL, default, "default", args.seeds)] + [
         runs.StudySet(c["label"], tuple(c["layers"]), "selected", args.seeds) for c in candidates]
-    cost = estimate_cost(slug, budget.steps, len(sets) * args.seeds)
-    print(_plan_line(budget, len(sets), args.seeds, cost), flush=True)
-    target, stores = prepare(config, slug, args.device, args.validate_profile)
-    folder = records_dir(slug, config)
-    records = train_sets(sets, args.seeds, config, target, stores, folder)
+    train = _train_on_long_text if text == "longrun" else _train_on_study_text
+    records, described, folder = train(args, profile, budget, sets)
     rows = compare(records, args.alpha, seed=args.seed)
     for row in rows:
         row["picked_by"] = next(c["picked_by"] for c in candidates if c["label"] == row["label"])
-    return {"budget": asdict(budget), "seeds": args.seeds, "alpha": args.alpha,
-            "cost": cost, "rule": RULE.format(k=len(candidates), alpha=args.alpha),
+    return {"budget": asdict(budget), "text": described, "seeds": args.seeds,
+            "alpha": args.alpha, "rule": RULE.format(k=len(candidates), alpha=args.alpha),
             "default": {"layers": list(default),
                         "tau_hat": float(study_stats.seed_taus(records[DEFAULT_LABEL]).mean())},
             "rows": rows, "recommendation": recommend(rows, default),
@@ -379,23 +384,66 @@ def run_validation(args: argparse.Namespace, select_result: dict) -> dict:
             "records_dir": f"<cache>/{cache_relative(folder)}"}
 
 
-def _plan_line(budget: Budget, n_sets: int, seeds: int, cost: dict) -> str:
-    seconds = cost["seconds"]
+def _train_on_study_text(args, profile: dict, budget: Budget, sets) -> tuple[dict, dict, Path]:
+    """The 1× study's path: its stores and ``runs.run_draft``. -> (records, text, folder)."""
+    from actwave.capture import models as model_zoo
+
+    slug = model_zoo.slug(args.model)
+    config = study_config(args.model, profile, budget.steps)
+    n_texts = config.capture.n_sequences
+    described = {"kind": "study", "train_texts": n_texts, "cost": estimate_cost(
+        slug, budget.steps, len(sets) * args.seeds), "note": _passes_note(
+        budget.steps, config.train.batch_size, n_texts)}
+    print(_plan_line(budget, described, len(sets), args.seeds), flush=True)
+    target, stores = prepare(config, slug, args.device, args.validate_profile)
+    folder = records_dir(slug, config)
+    return train_sets(sets, args.seeds, config, target, stores, folder), described, folder
+
+
+def _train_on_long_text(args, profile: dict, budget: Budget, sets) -> tuple[dict, dict, Path]:
+    """The long runs' path (``validate_long``). -> (records, text, folder)."""
+    from actwave.study.longrun import results_folder
+
+    text = validate_long.long_text(args.model, profile, args.validate_profile)
+    committed = results_folder(args.model, results_dir(STUDY_PROFILE))
+    run = validate_long.plan(args.model, text, sets, args.seeds, budget.steps, committed)
+    described = {"kind": "longrun", "train_texts": text.n_train, "eval_texts": text.n_eval,
+                 "longrun": asdict(text.config),
+                 "reused": sorted(r["reused_from"] for r in run.found.values()
+                                  if "reused_from" in r),
+                 "cost": validate_long.estimate_cost(run, committed),
+                 "note": _passes_note(budget.steps, text.config.batch_size, text.n_train)}
+    print(_plan_line(budget, described, len(sets), args.seeds), flush=True)
+    return validate_long.train(run, sets), described, run.folder
+
+
+def _plan_line(budget: Budget, text: dict, n_sets: int, seeds: int) -> str:
+    seconds = text["cost"]["seconds"]
     when = "unknown" if math.isnan(seconds) else f"≈ {seconds / 60:.0f} min"
     lines = [f"validation: {n_sets} sets × {seeds} seeds = {n_sets * seeds} drafts of "
-             f"{budget.steps} steps ({budget.source}); predicted cost {when} ({cost['source']}; "
-             "plus the train/eval capture when not cached; finished drafts are read, not "
-             "retrained)"]
-    return "\n".join(lines + ([f"  note: {budget.note}"] if budget.note else []))
+             f"{budget.steps} steps ({budget.source}) on {_text_words(text)}; predicted cost "
+             f"{when} ({text['cost']['source']}; plus the train/eval capture when not cached; "
+             "finished drafts are read, not retrained)"]
+    notes = [note for note in (budget.note, text["note"]) if note]
+    return "\n".join(lines + [f"  note: {note}" for note in notes])
+
+
+def _text_words(text: dict) -> str:
+    """What the drafts trained on, in words."""
+    if text["kind"] == "longrun":
+        return (f"the long runs' text ({text['train_texts']} train-pool conversations, "
+                f"{text['eval_texts']} held-out; warmup-stable-decay)")
+    return f"the 1× study's text ({text['train_texts']} regenerated replies)"
 
 
 # ----------------------------------------------------------------------------- reporting
 def format_validation(validation: dict) -> list[str]:
     """The printed validation table and decision."""
     default = validation["default"]
+    text = validation.get("text") or {"kind": "study", "train_texts": "?", "note": None}
     lines = [f"validation: {validation['budget']['steps']} steps per draft "
              f"({validation['budget']['source']}), {validation['seeds']} seeds per set, "
-             "offline τ̂ on held-out regenerated replies",
+             f"trained on {_text_words(text)}, offline τ̂ on held-out regenerated replies",
              f"  {'set':<24}{'layers':<16}{'τ̂':>8}{'Δτ̂':>10}{'95% CI':>22}"
              f"{'Holm bound':>12}  better  picked by",
              f"  {'EAGLE-3 default':<24}{str(tuple(default['layers'])):<16}"
@@ -405,8 +453,11 @@ def format_validation(validation: dict) -> list[str]:
         lines.append(f"  {row['label']:<24}{str(tuple(row['layers'])):<16}{row['tau_hat']:>8.4f}"
                      f"{row['diff']:>+10.4f}{ci:>22}{row['holm_lower']:>+12.4f}  "
                      f"{'yes' if row['better'] else 'no':<8}{', '.join(row.get('picked_by', []))}")
-    if validation["budget"].get("note"):
-        lines.append(f"  note: {validation['budget']['note']}")
+    for note in (validation["budget"].get("note"), text.get("note")):
+        if note:
+            lines.append(f"  note: {note}")
+    if text.get("reused"):
+        lines.append(f"  read from the committed long-run records: {', '.join(text['reused'])}")
     if "wall_seconds" in validation:
         lines.append(f"  wall time {validation['wall_seconds'] / 60:.1f} min (capture, training "
                      "and scoring; drafts already in the cache are read, not retrained)")
