@@ -22,7 +22,7 @@
 # (set, seed) with one training budget, scored by offline acceptance on every held-out
 # position (`actwave.decoding.acceptance`). Each finished draft writes a small record to
 # `results/<profile>/<model>/records/`; a rerun — also from a fresh clone — skips it. The
-# drafts stay in the draft cache (`actwave.index.draft_dir`, under each record's key); the
+# drafts stay in the draft cache (`actwave.index.draft_dir`, `runs.draft_cache_key`); the
 # train / eval stores are indexed in `08_stores.json` (`actwave.index`, for notebook 09).
 # Statistics and figures: notebook 10.
 

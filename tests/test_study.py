@@ -55,9 +55,10 @@ def study_profile_config(model: str) -> runs.StudyConfig:
 
 def test_committed_records_keep_their_keys():
     """Every committed study record is keyed by ``record_key(config, train, stores)``: the
-    config built from profiles/study.yaml must give the same ``flat`` study dict and the
-    same TrainConfig per draft, so no draft retrains (the stores' part of the key needs the
-    cached stores; ``test_record_key_hashes_the_flat_layout`` checks how the parts hash)."""
+    config built from profiles/study.yaml, the draft's TrainConfig, and the identities of
+    the stores it would capture (capture config hash, the bundled target's digest, the
+    record's text hashes) give exactly the record's key, so a fresh clone on any CPU reads
+    every record instead of retraining."""
     assert {path.parent.parent.name for path in COMMITTED} == {"smollm2-135m", "gemma3-270m"}
     for path in COMMITTED:
         record = json.loads(path.read_text())
@@ -66,19 +67,33 @@ def test_committed_records_keep_their_keys():
         assert config.flat() == record["study"], path.name
         assert json.loads(json.dumps(dataclasses.asdict(train))) == record["train"], path.name
         assert runs.StudyConfig.from_flat(record["study"]) == config, path.name
+        identities = runs.expected_identities(config, record["data_hashes"])
+        assert runs.key_of(config, train, identities) == record["key"], path.name
 
 
-def test_record_key_hashes_the_flat_layout():
+class FakeStore:
+    """What ``record_key`` and ``draft_cache_key`` read of a CaptureStore."""
+
+    def __init__(self, digest="abc", dataset_hash="text1"):
+        self.digest = digest  # the shards' bits too
+        self.manifest = {"config_hash": "cfg", "model_digest": "model",
+                         "dataset_hash": dataset_hash}
+
+
+def test_record_key_hashes_the_flat_layout_and_store_identities():
     """The key is the hash of the flat study dict (the pre-nesting layout), the draft's
-    TrainConfig and the stores' digests."""
-    class Store:
-        digest = "abc"
-
-    stores = {"train": Store(), "eval": Store()}
+    TrainConfig and each store's identity; the stored bits key only the draft cache."""
+    stores = {"train": FakeStore(), "eval": FakeStore()}
     train = config().train_config((1, 2, 3), 0)
-    assert runs.record_key(config(), train, stores) == config_hash(
-        {"study": config().flat(), "train": dataclasses.asdict(train),
-         "stores": {"train": "abc", "eval": "abc"}})
+    identity = {"config_hash": "cfg", "model_digest": "model", "dataset_hash": "text1"}
+    key = runs.record_key(config(), train, stores)
+    assert key == config_hash({"study": config().flat(), "train": dataclasses.asdict(train),
+                               "stores": {"train": identity, "eval": identity}})
+    other_bits = {"train": FakeStore(digest="other"), "eval": FakeStore()}
+    assert runs.record_key(config(), train, other_bits) == key  # another CPU's capture
+    assert runs.draft_cache_key(key, other_bits) != runs.draft_cache_key(key, stores)
+    other_text = {"train": FakeStore(dataset_hash="text2"), "eval": FakeStore()}
+    assert runs.record_key(config(), train, other_text) != key
 
 
 def test_nested_study_config_fills_captures_and_drafts():
@@ -170,9 +185,10 @@ def test_run_draft_writes_a_record_and_a_rerun_reads_it(tiny_study, monkeypatch)
     assert all(r["roots"] > 0 for r in record["offline"]["per_sequence"])
     assert runs.record_path(root / "results", "eagle3_default", 0).exists()
     train = config().train_config(study_set.layer_ids, 0)
-    folder = index.draft_dir("test/tiny", train, record["key"])
-    assert folder.parent == root / "cache" / "drafts"  # the one draft cache, by the record key
-    assert folder.name == f"test--tiny-L1-2-3-s0-{record['key']}"
+    cache_key = runs.draft_cache_key(record["key"], stores)  # the record's and the bits'
+    folder = index.draft_dir("test/tiny", train, cache_key)
+    assert folder.parent == root / "cache" / "drafts"  # the one draft cache
+    assert folder.name == f"test--tiny-L1-2-3-s0-{cache_key}"
     assert (folder / "draft" / "config.json").exists()
 
     def no_training(*args, **kwargs):
@@ -183,8 +199,7 @@ def test_run_draft_writes_a_record_and_a_rerun_reads_it(tiny_study, monkeypatch)
     assert again == record
     with pytest.raises(AssertionError, match="must not be retrained"):  # another budget
         runs.run_draft(study_set, 0, config(train_steps=4), target, stores, root / "results")
-    path = runs.record_path(root / "results", "eagle3_default", 0)
-    path.write_text(path.read_text().replace('"train": "', '"train": "other-text-'))
+    monkeypatch.setitem(stores["eval"].manifest, "dataset_hash", "other-text")
     with pytest.raises(AssertionError, match="must not be retrained"):  # other held-out text
         runs.run_draft(study_set, 0, config(), target, stores, root / "results")
 

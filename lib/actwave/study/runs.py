@@ -116,8 +116,8 @@ class StudyConfig:
     # Committed records (results/study/*/records) are keyed by, and store, the flat layout
     # StudyConfig had before it held a CaptureConfig and a TrainConfig: ``record_key`` hashes
     # ``flat()`` so every finished draft keeps its key. Fields of the templates outside it
-    # reach the key anyway: the capture's through the stores' digests (their config hash),
-    # the training's through the draft's TrainConfig.
+    # reach the key anyway: the capture's through the stores' identities (their config
+    # hash), the training's through the draft's TrainConfig.
     def flat(self) -> dict:
         """The study as the flat dict its records are keyed by (``from_flat`` inverts it)."""
         capture, train = self.capture, self.train
@@ -382,11 +382,43 @@ def record_path(results_dir: Path, label: str, seed: int) -> Path:
 
 def record_key(config: StudyConfig, train: TrainConfig, stores: dict) -> str:
     """What a record depends on: the study config (its ``flat`` layout, which the committed
-    records are keyed by), the training config and the stores' content digests
-    (``CaptureStore.digest``: their shards and the target that made them), so a store
-    recaptured with other contents or another target never reuses a record."""
-    return config_hash({"study": config.flat(), "train": asdict(train),
-                        "stores": {k: s.digest for k, s in stores.items()}})
+    records are keyed by), the training config and what decides each store's values
+    (``store_identity``), so another target, capture config or text never reuses a record,
+    while a store recaptured on another CPU (other low bits) does."""
+    return key_of(config, train, {split: store_identity(s) for split, s in stores.items()})
+
+
+def store_identity(store) -> dict:
+    """What decides a store's values, not their bits: its capture config's hash, the target
+    files' digest and its text's hash. ``CaptureStore.digest`` also hashes the shards, whose
+    float bits change with the CPU's kernels: a record keyed by it would retrain on every
+    other machine (the draft cache, which is per machine, still is: ``draft_cache_key``)."""
+    return {key: store.manifest.get(key) for key in IDENTITY_FIELDS}
+
+
+IDENTITY_FIELDS = ("config_hash", "model_digest", "dataset_hash")
+
+
+def key_of(config: StudyConfig, train: TrainConfig, identities: dict) -> str:
+    """``record_key`` from the stores' identities {split: ``store_identity``}."""
+    return config_hash({"study": config.flat(), "train": asdict(train), "stores": identities})
+
+
+def expected_identities(config: StudyConfig, data_hashes: dict) -> dict:
+    """The identities of the stores ``config`` captures, given their text hashes (a
+    record's ``data_hashes``): what a committed record's key can be checked against
+    without the stores."""
+    from actwave.capture.models import model_digest
+
+    return {split: {"config_hash": config_hash(config.capture_for(split)),
+                    "model_digest": model_digest(config.model),
+                    "dataset_hash": data_hashes[split]} for split in ("train", "eval")}
+
+
+def draft_cache_key(key: str, stores: dict) -> str:
+    """The draft cache's key of a record's draft: the record key and the stores' content
+    digests (``CaptureStore.digest``), since a draft's weights follow the stored bits."""
+    return config_hash({"record": key, "stores": {k: s.digest for k, s in stores.items()}})
 
 
 def data_hashes(stores: dict) -> dict[str, str]:
@@ -413,18 +445,16 @@ def run_draft(study_set: StudySet, seed: int, config: StudyConfig, target, store
     """Train (or skip) one draft of the study and write its record; -> the record.
 
     stores: {"train": CaptureStore, "eval": CaptureStore}. The draft itself stays in the
-    draft cache (``index.draft_dir`` under the record's key); the record holds all the study
-    needs.
+    draft cache (``index.draft_dir`` under ``draft_cache_key``); the record holds all the
+    study needs.
     """
     train = config.train_config(study_set.layer_ids, seed, steps_factor)
     key = record_key(config, train, stores)
     label = study_set.label if steps_factor == 1 else f"{study_set.label}_curve{steps_factor}"
     path = record_path(results_dir, label, seed)
-    existing = load_record(path, key)
-    if existing is not None and existing.get("data_hashes") == data_hashes(stores):
+    existing = load_record(path, key)  # the key holds the text's hash (store_identity)
+    if existing is not None:
         return existing
-    if existing is not None:  # same configs, other text (regenerated on another machine)
-        log.warning("%s: the stores hold other text than when it was made; retraining", path)
     data = eval_sequences(stores["eval"], study_set.layer_ids, config.capture.max_seq_len)
 
     def curve_point(draft):
@@ -432,7 +462,8 @@ def run_draft(study_set: StudySet, seed: int, config: StudyConfig, target, store
         return {k: v for k, v in scores.items() if k != "per_sequence"}
 
     tic = time.perf_counter()
-    result = train_draft(stores["train"], target, train, index.draft_dir(config.model, train, key),
+    result = train_draft(stores["train"], target, train,
+                         index.draft_dir(config.model, train, draft_cache_key(key, stores)),
                          progress=progress, eval_fn=curve_point if steps_factor > 1 else None)
     scores = offline_scores(result.draft, data, config.depth, config.tree_top_k)
     record = {"format": RECORD_FORMAT, "key": key, "label": label, "kind": study_set.kind,
@@ -457,7 +488,7 @@ def load_draft(record: dict, config: StudyConfig, target, stores: dict):
     if key != record["key"]:
         raise ValueError(f"record {record['label']} seed {record['seed']} was made under key "
                          f"{record['key']}, the current config gives {key}")
-    out_dir = index.draft_dir(config.model, train, key)
+    out_dir = index.draft_dir(config.model, train, draft_cache_key(key, stores))
     draft = train_draft(stores["train"], target, train, out_dir, progress=False).draft
     if draft.fingerprint() != record["draft_fingerprint"]:
         # Retrained on another CPU: float kernels differ, so the weights do too. Decoding
