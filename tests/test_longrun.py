@@ -271,6 +271,31 @@ def test_command_runs_with_the_profiles_settings(capsys, monkeypatch):
     assert "profile 'smoke' lacks ['longrun_sets'" in capsys.readouterr().err
 
 
+def test_committed_records_keep_their_keys(smollm2):
+    """Every committed SmolLM2 long-run record is found by a fresh clone: the profile's
+    config, the record's layers and seed, and the values digests of the pinned pools'
+    features (``features.values_digest``: text, target weights, dtypes, not the float bits
+    a CPU computes) give exactly its key, so nothing retrains (11-13 h of CPU)."""
+    from actwave.eagle3.features import values_digest
+    from actwave.profile import build, parameters
+    from actwave.tools.runplan import load_profile
+
+    values = parameters(load_profile("study"))
+    config = build("longrun", values, model="smollm2-135m")
+    target, tokenizer = smollm2
+    sources = longrun.text_sources("smollm2-135m", tokenizer, config.max_seq_len,
+                                   values["longrun_train_conversations"],
+                                   values["longrun_eval_conversations"])
+    records = longrun.load_records(longrun.results_folder("smollm2-135m"))
+    assert len(records) == 72
+    digests = [values_digest(sources[split], target, feature) for split, feature in zip(
+        ("train", "eval"), longrun.feature_configs(config, [0]))]  # the same for any layers
+    for record in records:
+        job = longrun.Job(record["label"], tuple(record["layer_ids"]), record["seed"],
+                          record["budget"])
+        assert longrun.job_key(config, job, *digests) == record["key"], job.name
+
+
 def test_read_sets_takes_the_table_or_given_seeds(tmp_path):
     path = tmp_path / "sets.csv"
     path.write_text('label,layer_ids,kind,seeds\neagle3_default,"2,15,27",default,3\n'
