@@ -41,6 +41,7 @@ base_steps = 64
 multipliers = "1,4,16,32"
 longrun_warmup_steps = 6
 min_decay = 16  # decay branch: max(ceil(0.2·budget), this) steps
+longrun_draft_vocab_size = 16384  # the draft's output vocabulary (LongRunConfig)
 longrun_train_conversations = 3200
 longrun_eval_conversations = 400
 longrun_max_jobs = -1  # -1: every missing job; 0: report the committed records only
