@@ -388,15 +388,16 @@ def record_key(config: StudyConfig, train: TrainConfig, stores: dict) -> str:
     return key_of(config, train, {split: store_identity(s) for split, s in stores.items()})
 
 
+# what decides a capture store's values (``store_identity``)
+IDENTITY_FIELDS = ("config_hash", "model_digest", "dataset_hash")
+
+
 def store_identity(store) -> dict:
     """What decides a store's values, not their bits: its capture config's hash, the target
     files' digest and its text's hash. ``CaptureStore.digest`` also hashes the shards, whose
     float bits change with the CPU's kernels: a record keyed by it would retrain on every
     other machine (the draft cache, which is per machine, still is: ``draft_cache_key``)."""
     return {key: store.manifest.get(key) for key in IDENTITY_FIELDS}
-
-
-IDENTITY_FIELDS = ("config_hash", "model_digest", "dataset_hash")
 
 
 def key_of(config: StudyConfig, train: TrainConfig, identities: dict) -> str:

@@ -93,14 +93,14 @@ def plan(model: str, text: LongText, sets: list[StudySet], n_seeds: int, budget:
                                          longrun.feature_configs(text.config, layers))]
     jobs = [Job(s.label, tuple(s.layer_ids), seed, budget) for seed in range(n_seeds)
             for s in sets]
-    run = Plan(model, text, target, sources, records_dir(slug(model), text), jobs,
-               {job: longrun.job_key(text.config, job, *digests) for job in jobs})
+    made = Plan(model, text, target, sources, records_dir(slug(model), text), jobs,
+                {job: longrun.job_key(text.config, job, *digests) for job in jobs})
     for job in jobs:
-        record = (longrun.load_record(longrun.record_path(run.folder, job), run.keys[job])
-                  or committed_record(job, run.keys[job], committed))
+        record = (longrun.load_record(longrun.record_path(made.folder, job), made.keys[job])
+                  or committed_record(job, made.keys[job], committed))
         if record is not None:
-            run.found[job] = record
-    return run
+            made.found[job] = record
+    return made
 
 
 def committed_record(job: Job, key: str, folder: Path) -> dict | None:
