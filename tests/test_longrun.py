@@ -296,6 +296,59 @@ def test_committed_records_keep_their_keys(smollm2):
         assert longrun.job_key(config, job, *digests) == record["key"], job.name
 
 
+def test_study_sets_pin_the_pre_registration(tmp_path, monkeypatch):
+    """The first call chooses the key sets from the 1× study and pins them beside the
+    long-run records; a rerun of the 1× study that would choose others (new layer
+    statistics, new τ̂) does not move them."""
+    from actwave.study import runs
+
+    table = tmp_path / "08_sets_smollm2-135m.csv"
+
+    def one_x_study(compartments: str, taus: dict):
+        table.write_text(
+            'label,layer_ids,kind,seeds,aliases\neagle3_default,"2,15,27",default,3,\n'
+            'renyi2_exhaustive@filtered,"11,28,29",selected,3,\n'
+            'renyi2_exhaustive,"2,28,29",selected,3,\n'
+            f'cka_compartments,"{compartments}",selected,1,\n'
+            'random_low_1,"1,6,10",random,1,\nrandom_high_1,"17,19,21",random,1,\n'
+            'last_k,"28,29,30",baseline,1,\n')
+        monkeypatch.setattr(runs, "load_records", lambda folder: [
+            {"label": label, "steps_factor": 1, "offline": {"tau_hat": tau}}
+            for label, tau in taus.items()])
+
+    one_x_study("10,20,27", {"cka_compartments": 1.17, "random_low_1": 1.10,
+                             "random_high_1": 1.16})
+    first = longrun.study_sets("smollm2-135m", None, 3, tmp_path)
+    pinned = longrun.results_folder("smollm2-135m", tmp_path) / longrun.SETS_FILE
+    assert pinned.is_file()
+    assert [s.label for s in first][3:5] == ["cka_compartments", "random_high_1"]
+    one_x_study("2,10,27", {"cka_compartments": 1.17, "random_low_1": 1.20,
+                            "random_high_1": 1.16})
+    assert longrun.key_sets(longrun.read_sets(table), {"cka_compartments": 1.17,
+                            "random_low_1": 1.2, "random_high_1": 1.16}, 3) != first
+    again = longrun.study_sets("smollm2-135m", None, 2, tmp_path)
+    assert [(s.label, s.layer_ids, s.kind) for s in again] == [
+        (s.label, s.layer_ids, s.kind) for s in first]
+    assert {s.seeds for s in again} == {2}
+    pinned.write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="not a long-run set file"):
+        longrun.study_sets("smollm2-135m", None, 3, tmp_path)
+
+
+def test_committed_long_runs_ran_their_pinned_sets():
+    """Every model with committed long-run records has its pinned key sets, and every
+    record is one of them: what a resumed run (or notebook 12's tables) reads."""
+    folders = [f for f in sorted(longrun.results_folder("smollm2-135m").parent.iterdir())
+               if list(f.glob("records/*.json"))]
+    assert folders
+    for folder in folders:
+        sets = longrun.pinned_sets(folder / longrun.SETS_FILE, seeds=3)
+        assert len(sets) == 6, folder.name
+        allowed = {(s.label, s.layer_ids) for s in sets}
+        for record in longrun.load_records(folder):
+            assert (record["label"], tuple(record["layer_ids"])) in allowed, record["label"]
+
+
 def test_read_sets_takes_the_table_or_given_seeds(tmp_path):
     path = tmp_path / "sets.csv"
     path.write_text('label,layer_ids,kind,seeds\neagle3_default,"2,15,27",default,3\n'

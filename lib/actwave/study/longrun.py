@@ -209,6 +209,7 @@ def read_sets(path: Path, labels=None, seeds: int | None = None) -> list[StudySe
 KEY_SETS = (REFERENCE, PRIMARY, "renyi2_exhaustive")
 BEST_OF = {"compartments": ("cka_compartments", "cka_compartments@filtered"), "random": ("random_",)}
 LAST_LAYER_SET = "last_k"
+SETS_FILE = "sets.json"       # beside records/: the pinned pre-registration
 
 
 def one_x_tau(records: list[dict]) -> dict[str, float]:
@@ -639,11 +640,34 @@ def load_records(folder: Path) -> list[dict]:
     return [load_record(path) for path in sorted((Path(folder) / "records").glob("*.json"))]
 
 
+SETS_FORMAT = "actwave-longrun-sets-v1"
+
+
+def pin_sets(path: Path, sets: list[StudySet], one_x: dict[str, float], source: str) -> None:
+    """Write the pre-registered sets of a model's long runs (label, layers, kind), with the
+    1× τ̂ that chose the best of each family and where they came from."""
+    atomic_write_json(Path(path), {
+        "format": SETS_FORMAT, "source": source, "one_x_tau": dict(sorted(one_x.items())),
+        "sets": [{"label": s.label, "layer_ids": list(s.layer_ids), "kind": s.kind} for s in sets]})
+
+
+def pinned_sets(path: Path, seeds: int) -> list[StudySet]:
+    """The sets ``pin_sets`` wrote, ``seeds`` seeds each."""
+    pinned = json.loads(Path(path).read_text())
+    if pinned.get("format") != SETS_FORMAT:
+        raise ValueError(f"{path} is not a long-run set file (format {pinned.get('format')!r})")
+    return [StudySet(s["label"], tuple(s["layer_ids"]), s["kind"], seeds) for s in pinned["sets"]]
+
+
 def study_sets(model: str, labels=None, seeds: int = 3,
                study_results: Path | None = None) -> list[StudySet]:
-    """The sets to run: the pre-registered key sets (``key_sets``) with ``seeds`` seeds, or
-    the 1× study's sets named in ``labels`` ("all": every set), from the 1× study's set
-    table and records in ``study_results`` (default ``results/study``)."""
+    """The sets to run: the pre-registered key sets with ``seeds`` seeds, or the 1× study's
+    sets named in ``labels`` ("all": every set), from the 1× study's set table and records in
+    ``study_results`` (default ``results/study``).
+
+    The key sets are chosen once (``key_sets`` on the 1× study as it stands) and pinned in
+    ``<long-run results>/sets.json``: a later rerun of the 1× study (new splits, new
+    statistics) must not move a pre-registration whose records are committed."""
     from actwave.capture.models import slug
     from actwave.config import results_dir
     from actwave.study.runs import load_records as load_one_x
@@ -654,7 +678,13 @@ def study_sets(model: str, labels=None, seeds: int = 3,
         return read_sets(table, None, seeds)
     if labels:
         return read_sets(table, labels, seeds)
-    return key_sets(read_sets(table), one_x_tau(load_one_x(folder / slug(model))), seeds)
+    pinned = results_folder(model, folder) / SETS_FILE
+    if pinned.is_file():
+        return pinned_sets(pinned, seeds)
+    one_x = one_x_tau(load_one_x(folder / slug(model)))
+    sets = key_sets(read_sets(table), one_x, seeds)
+    pin_sets(pinned, sets, one_x, f"key_sets on {table.name} and the 1× records")
+    return sets
 
 
 def prepare(model: str, config: LongRunConfig, sets: list[StudySet], n_train: int = 3200,
