@@ -336,11 +336,12 @@ def test_study_sets_pin_the_pre_registration(tmp_path, monkeypatch):
 
 
 def test_committed_long_runs_ran_their_pinned_sets():
-    """Every model with committed long-run records has its pinned key sets, and every
-    record is one of them: what a resumed run (or notebook 12's tables) reads."""
-    folders = [f for f in sorted(longrun.results_folder("smollm2-135m").parent.iterdir())
-               if list(f.glob("records/*.json"))]
-    assert folders
+    """Both models' key sets are pinned (pre-registered in the README before any long run),
+    and every committed record is one of them: what a resumed run reads."""
+    root = longrun.results_folder("smollm2-135m").parent
+    folders = sorted(path.parent for path in root.glob(f"*/{longrun.SETS_FILE}"))
+    assert [f.name for f in folders] == ["gemma3-270m", "smollm2-135m"]
+    assert {path.parent.parent for path in root.glob("*/records/*.json")} <= set(folders)
     for folder in folders:
         sets = longrun.pinned_sets(folder / longrun.SETS_FILE, seeds=3)
         assert len(sets) == 6, folder.name
