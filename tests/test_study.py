@@ -71,6 +71,36 @@ def test_committed_records_keep_their_keys():
         assert runs.key_of(config, train, identities) == record["key"], path.name
 
 
+@pytest.mark.real_model
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_committed_records_were_scored_on_the_pinned_text(model):
+    """The regenerated text the study profile asks for is pinned in the repo (and nothing
+    else is), and every committed record of the model was made on exactly that text: a
+    fresh clone restores it, captures it and reads every record. A record over other text
+    (made before a change of the splits, say) would be silently retrained by notebook 08;
+    its key alone cannot tell, since it hashes the record's own text hashes."""
+    from actwave.capture import models as model_zoo, regenerate
+    from actwave.capture.store import regen_config, tokenize_split
+
+    config = study_profile_config(model)
+    pinned = COMMITTED[0].parents[2] / model_zoo.slug(model) / "regenerated"
+    tokenizer = model_zoo.load_tokenizer(model)
+    records = [json.loads(path.read_text()) for path in COMMITTED
+               if path.parent.parent.name == model_zoo.slug(model)]
+    expected = set()
+    for split in ("train", "eval"):
+        capture = config.capture_for(split)
+        folder = regenerate.output_dir(regen_config(capture)).name
+        expected.add(folder)
+        assert (pinned / folder / "manifest.json").is_file(), f"{folder} is not pinned"
+        regenerate.restore(regen_config(capture), pinned)
+        _, text_hash = tokenize_split(capture, tokenizer)
+        stale = sorted(f"{r['label']}__seed{r['seed']}" for r in records
+                       if r["data_hashes"][split] != text_hash)
+        assert not stale, f"{len(stale)} records scored on other {split} text: {stale[:5]}"
+    assert {path.name for path in pinned.iterdir()} == expected
+
+
 class FakeStore:
     """What ``record_key`` and ``draft_cache_key`` read of a CaptureStore."""
 
