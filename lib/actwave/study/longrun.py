@@ -210,6 +210,7 @@ KEY_SETS = (REFERENCE, PRIMARY, "renyi2_exhaustive")
 BEST_OF = {"compartments": ("cka_compartments", "cka_compartments@filtered"), "random": ("random_",)}
 LAST_LAYER_SET = "last_k"
 SETS_FILE = "sets.json"       # beside records/: the pinned pre-registration
+SETS_FORMAT = "actwave-longrun-sets-v1"
 
 
 def one_x_tau(records: list[dict]) -> dict[str, float]:
@@ -243,6 +244,22 @@ def key_sets(sets: list[StudySet], one_x: dict[str, float], seeds: int) -> list[
         chosen.setdefault(tuple(found.layer_ids),
                           StudySet(label, tuple(found.layer_ids), found.kind, seeds))
     return list(chosen.values())
+
+
+def pin_sets(path: Path, sets: list[StudySet], one_x: dict[str, float], source: str) -> None:
+    """Write the pre-registered sets of a model's long runs (label, layers, kind), with the
+    1× τ̂ that chose the best of each family and where they came from."""
+    atomic_write_json(Path(path), {
+        "format": SETS_FORMAT, "source": source, "one_x_tau": dict(sorted(one_x.items())),
+        "sets": [{"label": s.label, "layer_ids": list(s.layer_ids), "kind": s.kind} for s in sets]})
+
+
+def pinned_sets(path: Path, seeds: int) -> list[StudySet]:
+    """The sets ``pin_sets`` wrote, ``seeds`` seeds each."""
+    pinned = json.loads(Path(path).read_text())
+    if pinned.get("format") != SETS_FORMAT:
+        raise ValueError(f"{path} is not a long-run set file (format {pinned.get('format')!r})")
+    return [StudySet(s["label"], tuple(s["layer_ids"]), s["kind"], seeds) for s in pinned["sets"]]
 
 
 # ----------------------------------------------------------------------------- data
@@ -638,25 +655,6 @@ def decoding_check(model: str, records: list[dict], labels, budget: int, seed: i
 def load_records(folder: Path) -> list[dict]:
     """Every record under ``folder/records``, sorted by file name."""
     return [load_record(path) for path in sorted((Path(folder) / "records").glob("*.json"))]
-
-
-SETS_FORMAT = "actwave-longrun-sets-v1"
-
-
-def pin_sets(path: Path, sets: list[StudySet], one_x: dict[str, float], source: str) -> None:
-    """Write the pre-registered sets of a model's long runs (label, layers, kind), with the
-    1× τ̂ that chose the best of each family and where they came from."""
-    atomic_write_json(Path(path), {
-        "format": SETS_FORMAT, "source": source, "one_x_tau": dict(sorted(one_x.items())),
-        "sets": [{"label": s.label, "layer_ids": list(s.layer_ids), "kind": s.kind} for s in sets]})
-
-
-def pinned_sets(path: Path, seeds: int) -> list[StudySet]:
-    """The sets ``pin_sets`` wrote, ``seeds`` seeds each."""
-    pinned = json.loads(Path(path).read_text())
-    if pinned.get("format") != SETS_FORMAT:
-        raise ValueError(f"{path} is not a long-run set file (format {pinned.get('format')!r})")
-    return [StudySet(s["label"], tuple(s["layer_ids"]), s["kind"], seeds) for s in pinned["sets"]]
 
 
 def study_sets(model: str, labels=None, seeds: int = 3,
