@@ -1,5 +1,6 @@
 """``select --validate`` (actwave.tools.validate): candidates, budget, the Holm rule, and end to
 end on the tiny Llama of test_cli with the smoke-study profile's data sizes (seconds)."""
+import dataclasses
 import json
 import math
 import shutil
@@ -217,12 +218,16 @@ def test_the_study_profile_gives_the_study_stores():
     """``study_config`` maps profiles/study.yaml as notebook 08 does: the same train / eval
     capture keys as the committed store index, so --validate reads the study's stores and
     pinned regenerated text instead of regenerating."""
+    from actwave.capture.store import store_key
     from actwave.config import config_hash, results_dir
     from actwave.tools.runplan import load_profile
 
     config = validate.study_config("smollm2-135m", load_profile("study"), 64)
     entries = index.read_index(results_dir("study"), index.STUDY_STORES, ["smollm2-135m"])
     for split in ("train", "eval"):
+        capture = config.capture_for(split)
+        assert entries["smollm2-135m"][split]["config"] == json.loads(
+            json.dumps(dataclasses.asdict(capture)))
         folder = index.store_path(entries["smollm2-135m"][split])
-        assert folder.name.endswith(config_hash(config.capture_for(split)))
+        assert folder.name.endswith(config_hash(store_key(capture)))  # config + model files
     assert config.train_config((2, 15, 27), 0).total_steps == 64
