@@ -322,10 +322,9 @@ def test_study_sets_pin_the_pre_registration(tmp_path, monkeypatch):
     pinned = longrun.results_folder("smollm2-135m", tmp_path) / longrun.SETS_FILE
     assert pinned.is_file()
     assert [s.label for s in first][3:5] == ["cka_compartments", "random_high_1"]
-    one_x_study("2,10,27", {"cka_compartments": 1.17, "random_low_1": 1.20,
-                            "random_high_1": 1.16})
-    assert longrun.key_sets(longrun.read_sets(table), {"cka_compartments": 1.17,
-                            "random_low_1": 1.2, "random_high_1": 1.16}, 3) != first
+    rerun_taus = {"cka_compartments": 1.17, "random_low_1": 1.20, "random_high_1": 1.16}
+    one_x_study("2,10,27", rerun_taus)
+    assert longrun.key_sets(longrun.read_sets(table), rerun_taus, 3) != first
     again = longrun.study_sets("smollm2-135m", None, 2, tmp_path)
     assert [(s.label, s.layer_ids, s.kind) for s in again] == [
         (s.label, s.layer_ids, s.kind) for s in first]

@@ -42,7 +42,8 @@ def config(**changes):
 
 
 # ----------------------------------------------------------------------------- the config
-COMMITTED = sorted(Path(__file__).resolve().parents[1].glob("results/study/*/records/*.json"))
+STUDY_RESULTS = Path(__file__).resolve().parents[1] / "results" / "study"
+COMMITTED = sorted(STUDY_RESULTS.glob("*/records/*.json"))
 
 
 def study_profile_config(model: str) -> runs.StudyConfig:
@@ -83,7 +84,7 @@ def test_committed_records_were_scored_on_the_pinned_text(model):
     from actwave.capture.store import regen_config, tokenize_split
 
     config = study_profile_config(model)
-    pinned = COMMITTED[0].parents[2] / model_zoo.slug(model) / "regenerated"
+    pinned = STUDY_RESULTS / model_zoo.slug(model) / "regenerated"
     tokenizer = model_zoo.load_tokenizer(model)
     records = [json.loads(path.read_text()) for path in COMMITTED
                if path.parent.parent.name == model_zoo.slug(model)]
