@@ -372,14 +372,17 @@ def study_needs(shape: Shape, p: dict, rates: dict, where: str, extra_k: bool) -
     return needs + decode_needs(shape, p, rates) + [report] + sensitivity_needs(shape, p, rates)
 
 
-def decode_needs(shape: Shape, p: dict, rates: dict, n_methods: int = 4) -> list[Need]:
-    """Notebook 09: chain speculative decoding of every benchmark reply (MT-bench: max_turns)."""
+def decode_needs(shape: Shape, p: dict, rates: dict, n_methods: int = 4,
+                 passes: int = 2) -> list[Need]:
+    """Notebook 09: speculative decoding of every benchmark reply (MT-bench: max_turns), once
+    with the chain of depth K and once with the auto shape (``fastpath.compare``)."""
     turns = sum(int(p["max_turns"]) if name == "mtbench" else 1
                 for name in str(p["benchmarks"]).split(","))
     replies = turns * int(p["n_prompts"])
-    tokens = n_methods * replies * int(p["max_new_tokens"])
-    return [Need("09 decoding check", f"{n_methods} methods × {replies} replies × "
-                 f"{p['max_new_tokens']} tokens", tokens * shape.forward_flops / rates["eval"])]
+    tokens = passes * n_methods * replies * int(p["max_new_tokens"])
+    return [Need("09 decoding check", f"{passes} passes × {n_methods} methods × {replies} "
+                 f"replies × {p['max_new_tokens']} tokens",
+                 tokens * shape.forward_flops / rates["eval"])]
 
 
 def sensitivity_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
@@ -484,8 +487,8 @@ def render(shape: Shape, profile_name: str, profile: dict, needs: list[Need],
         rows.append(f"  {need.step:<34} {size:>10}  {when:>8}  {need.detail}{where}")
     total = sum(n.seconds for n in needs if n.seconds is not None)
     later = "; notebooks 03-05 add about a minute" if any(n.step[:2] == "02" for n in needs) else ""
-    rows.append(f"  {'total time':<34} {'':>10}  {_time(total):>8}  at the reference CPU's "
-                f"rates (2-core AMD EPYC){later}")
+    rows.append(f"  {'total time':<34} {'':>10}  {_time(total):>8}  at the rates measured on 2 "
+                f"CPU cores (sources below){later}")
     return header + "\n".join(rows) + "\n" + RATE_SOURCES.format(summary=summary) + "\n"
 
 
