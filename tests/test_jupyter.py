@@ -149,15 +149,19 @@ async def _execute_all(ws_url: str, cells: list[str]) -> list[dict]:
             "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
             "content": {"code": code, "silent": False, "store_history": True,
                         "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}}))
-        while True:
+        # Shell and iopub are separate channels: a cell's last display_data may arrive after
+        # its execute_reply. The cell is done once both the reply and iopub's idle are in.
+        replied = idle = False
+        while not (replied and idle):
             reply = json.loads(await asyncio.wait_for(socket_.read_message(), 300))
             if reply.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             if reply["msg_type"] == "error":
                 raise AssertionError("\n".join(reply["content"]["traceback"]))
             outputs.append(reply)
-            if reply["msg_type"] == "execute_reply":
-                break
+            replied |= reply["msg_type"] == "execute_reply"
+            idle |= (reply["msg_type"] == "status"
+                     and reply["content"].get("execution_state") == "idle")
     socket_.close()
     return outputs
 
