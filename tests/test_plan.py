@@ -8,7 +8,7 @@ from conftest import TINY, tiny_model
 
 from actwave.stats import blockstats
 from actwave.stats.metrics import StreamingLayerStats
-from actwave.profile import parameters
+from actwave.profile import build, parameters
 from actwave.tools import plan
 from actwave.tools.runplan import load_profile
 
@@ -41,7 +41,8 @@ def test_llama_8b_config_has_the_published_parameter_count():
 def test_committed_rates_parse_and_a_missing_row_is_named(tmp_path):
     from actwave.config import repo_root
     rates = plan.read_rates(repo_root() / "results" / "benchmarks" / "summary.csv")
-    assert set(rates) == {"capture", "regenerate", "stats", "train", "eval"}
+    assert set(rates) == {"capture", "regenerate", "stats", "train", "eval", "decode",
+                          "longrun_train", "longrun_score"}
     assert all(value > 1e8 for value in rates.values())  # FLOP/s of a real machine
     broken = tmp_path / "summary.csv"
     broken.write_text("benchmark,measure,ratio,target,detail,bench_seconds\n")
@@ -49,9 +50,41 @@ def test_committed_rates_parse_and_a_missing_row_is_named(tmp_path):
         plan.read_rates(broken)
 
 
+SMOL = plan.Shape("smollm2-135m", plan.REFERENCE["params"], 30, 576, 49152, 9, 3, 64, 1536)
+
+
+def test_the_study_plan_predicts_the_study_s_own_measured_times():
+    """Notebook 09's prediction vs the seconds in its per-reply records (a second route to the
+    summary's tokens/s), and notebook 12's per-step time vs its cost table."""
+    import csv
+    import glob
+    from actwave.config import repo_root
+    root = repo_root()
+    rates = plan.read_rates(root / "results" / "benchmarks" / "summary.csv")
+    profile = {**parameters(load_profile("cpu")), **parameters(load_profile("study"))}
+    predicted = plan.decode_needs(SMOL, profile, rates)[0].seconds
+    measured = sum(json.loads(line)["seconds"]
+                   for path in glob.glob(str(root / "results/study/smollm2-135m/09_decoding-*"
+                                             / "prompt-*.jsonl"))
+                   for line in open(path) if '"seconds"' in line)
+    assert measured > 0 and abs(predicted / measured - 1) < 0.15
+    config = build("longrun", profile, model="smollm2-135m")
+    assert {key: getattr(config, key) for key in ("batch_size", "max_seq_len",
+                                                   "draft_vocab_size", "ttt_steps")} == {
+        key: plan.LONGRUN_REFERENCE[key] for key in ("batch_size", "max_seq_len",
+                                                     "draft_vocab_size", "ttt_steps")}
+    training = plan.longrun_needs(SMOL, profile, rates)[1]
+    with open(root / plan.LONGRUN_COSTS) as f:
+        largest = max(csv.DictReader(f), key=lambda row: (int(row["budget"]), int(row["drafts"])))
+    steps = int(training.step.split("× ")[1].split()[0])
+    per_step = training.seconds / (int(profile["longrun_seeds"]) * plan.KEY_SETS * steps)
+    assert abs(per_step / float(largest["seconds_per_step"]) - 1) < 0.25
+
+
 def test_statistics_lines_equal_the_accumulator_formulas(tiny_config):
     shape = plan.model_shape(tiny_config)
-    rates = dict.fromkeys(("capture", "regenerate", "stats", "train", "eval"), 1e9)
+    rates = dict.fromkeys(("capture", "regenerate", "stats", "train", "eval", "decode",
+                           "longrun_train", "longrun_score"), 1e9)
     profile = {**parameters(load_profile("cpu")), "notebooks": "02"}
     budget = blockstats.fixed_bytes(5, 64) + 3 * 8 * 64 * 64
     lines = plan.plan_needs(shape, profile, rates, "block_pairs", budget)

@@ -42,7 +42,16 @@ COLUMN_BYTES = 39  # per-token columns of a store (35,751 B/token measured − 3
 STAT_SETS = 3  # token sets notebook 02 caches per model: all, top-entropy, all + special
 # The measurements the rates come from: SmolLM2-135M (N=30, d=576, 134.5M parameters).
 REFERENCE = {"params": 134_515_008, "layers": 31, "dim": 576}
-EVAL_STEP = ("07_speculative", 9 * 6 * 64)  # results/cpu/steps.tsv: 9 methods × 6 prompts × 64
+# results/cpu/steps.tsv: 2 passes × 7 methods + 2 HF baselines, 6 prompts × 64 tokens
+EVAL_STEP = ("07_speculative", (2 * 7 + 2) * 6 * 64)
+# The study's own timings (SmolLM2-135M on 2 CPU cores): notebook 09's fast-path decoding and
+# notebook 12's long runs, whose per-step cost the benchmark's draft training underestimates.
+STUDY_DECODING = Path("results/study/09_decoding_summary.csv")
+LONGRUN_COSTS = Path("results/study/12_study_long_costs_smollm2-135m.csv")
+# What those long runs trained (their records' ``train``): batch 2 × ≤ 320 tokens, a
+# 16,384-token draft vocabulary, 3 TTT steps, scored on 400 held-out conversations.
+LONGRUN_REFERENCE = {"batch_size": 2, "max_seq_len": 320, "draft_vocab_size": 16384,
+                     "ttt_steps": 3, "eval_conversations": 400}
 
 
 @dataclass
@@ -180,6 +189,7 @@ def read_rates(summary: Path) -> dict[str, float]:
     if EVAL_STEP[0] not in steps:
         raise ValueError(f"{steps_file}: no step {EVAL_STEP[0]!r} (the evaluation rate)")
     return {
+        **study_rates(smol),
         "capture": detail("capture /", r"^([\d.]+) vs") * forward,
         "regenerate": detail("batch 16", r"^([\d.]+) vs") * forward,
         "stats": stats_rate(next((r["detail"] for m, r in rows.items()
@@ -187,6 +197,35 @@ def read_rates(summary: Path) -> dict[str, float]:
         "train": detail("draft training", r"^([\d,.]+) tok/s") * train_flops,
         "eval": EVAL_STEP[1] * forward / steps[EVAL_STEP[0]],
     }
+
+
+def study_rates(smol: Shape) -> dict[str, float]:
+    """FLOP/s of notebook 09's decoding and notebook 12's long-run training and scoring,
+    from the study's committed SmolLM2-135M tables (ValueError naming a missing one).
+
+    Decoding: every row of a pass decodes the same greedy text, so tokens over seconds is
+    the harmonic mean of the rows' tokens/s. Long runs: seconds per step over every scored
+    budget, weighted by its drafts; scoring: seconds per record."""
+    root = repo_root()
+    rows = [row for row in _table(root / STUDY_DECODING, ("model", "benchmark", "tokens_per_s"))
+            if row["model"] == smol.name and row["benchmark"] == "all"]
+    if not rows:
+        raise ValueError(f"{STUDY_DECODING}: no 'all' rows of {smol.name} (the decoding rate)")
+    tokens_per_s = len(rows) / sum(1 / float(row["tokens_per_s"]) for row in rows)
+    costs = _table(root / LONGRUN_COSTS, ("budget", "drafts", "train_seconds", "score_seconds"))
+    if not costs:
+        raise ValueError(f"{LONGRUN_COSTS}: no rows (the long-run rates)")
+    drafts = sum(float(row["drafts"]) for row in costs)
+    per_step = sum(float(r["drafts"]) * float(r["train_seconds"]) for r in costs) / sum(
+        float(r["drafts"]) * float(r["budget"]) for r in costs)
+    per_score = sum(float(r["drafts"]) * float(r["score_seconds"]) for r in costs) / drafts
+    ref = LONGRUN_REFERENCE
+    fill = ref["max_seq_len"] * LONGRUN_FILL
+    draft = draft_train_flops_per_token(smol, 3, ref["draft_vocab_size"], ref["ttt_steps"],
+                                        ref["max_seq_len"])
+    return {"decode": tokens_per_s * smol.forward_flops,
+            "longrun_train": ref["batch_size"] * fill * draft / per_step,
+            "longrun_score": ref["eval_conversations"] * fill * draft / 3 / per_score}
 
 
 def stats_rate(detail: str) -> float:
@@ -199,9 +238,10 @@ def stats_rate(detail: str) -> float:
     return rate * L * (L + 1) * d * d
 
 
-RATE_SOURCES = ("rates: capture, regeneration, statistics and training from {summary} "
-                "(SmolLM2-135M, scaled by FLOPs); speculative evaluation from "
-                "results/cpu/steps.tsv (07_speculative, SmolLM2-135M fp32, per generated token)")
+RATE_SOURCES = ("rates (SmolLM2-135M, scaled by FLOPs): capture, regeneration, statistics and "
+                "training from {summary}; evaluation from results/cpu/steps.tsv "
+                f"(07_speculative); decoding from {STUDY_DECODING.as_posix()} (09); long runs "
+                f"from {LONGRUN_COSTS.as_posix()} (12)")
 
 
 def _gib(value: float) -> str:
@@ -317,13 +357,17 @@ def train_needs(shape: Shape, p: dict, rates: dict, where: str, n_drafts: int) -
                  "train.batch_size, train.max_seq_len or train.draft_vocab_size")]
 
 
-def eval_needs(shape: Shape, p: dict, rates: dict, n_methods: int = 9) -> list[Need]:
-    """Notebook 07: every method generates on every prompt of every benchmark."""
+def eval_needs(shape: Shape, p: dict, rates: dict, n_methods: int = 7,
+               passes: int = 2, baselines: int = 2) -> list[Need]:
+    """Notebook 07: every method generates on every prompt of every benchmark, once per pass
+    (the fixed tree and the auto shape), plus the HF baselines once."""
     benchmarks = len(str(p["benchmarks"]).split(","))
-    tokens = (n_methods * benchmarks * int(p["n_prompts"]) * int(p["max_turns"])
+    decodes = passes * n_methods + baselines
+    tokens = (decodes * benchmarks * int(p["n_prompts"]) * int(p["max_turns"])
               * int(p["max_new_tokens"]))
-    return [Need("07 speculative evaluation", f"{n_methods} methods × {benchmarks} benchmarks × "
-                 f"{p['n_prompts']} prompts × {p['max_turns']} turns × {p['max_new_tokens']} tokens",
+    return [Need("07 speculative evaluation", f"({passes} passes × {n_methods} methods + "
+                 f"{baselines} HF) × {benchmarks} benchmarks × {p['n_prompts']} prompts × "
+                 f"{p['max_turns']} turns × {p['max_new_tokens']} tokens",
                  tokens * shape.forward_flops / rates["eval"])]
 
 
@@ -382,7 +426,7 @@ def decode_needs(shape: Shape, p: dict, rates: dict, n_methods: int = 4,
     tokens = passes * n_methods * replies * int(p["max_new_tokens"])
     return [Need("09 decoding check", f"{passes} passes × {n_methods} methods × {replies} "
                  f"replies × {p['max_new_tokens']} tokens",
-                 tokens * shape.forward_flops / rates["eval"])]
+                 tokens * shape.forward_flops / rates["decode"])]
 
 
 def sensitivity_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
@@ -426,10 +470,10 @@ def longrun_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
                  "(train and held-out pools)", pools * shape.forward_flops / rates["capture"]),
             Need(f"12 long runs: {runs} (set, seed) × {steps} steps",
                  f"budgets {budgets}, decayed branches of one WSD run each (from the features)",
-                 tokens * draft / rates["train"]),
+                 tokens * draft / rates["longrun_train"]),
             Need("12 long runs: scoring", f"{runs * len(budgets)} records × "
                  f"{p['longrun_eval_conversations']} held-out sequences",
-                 scored * draft / 3 / rates["train"])]
+                 scored * draft / 3 / rates["longrun_score"])]
 
 
 def plan_needs(shape: Shape, profile: dict, rates: dict, route: str, budget: float,
