@@ -1,4 +1,4 @@
-"""actwave.tools.plan: shapes from configs on the meta device, the plan's sizes, and its refusals."""
+"""actwave.tools.plan and .costs: shapes from configs on the meta device, the plan's sizes, and its refusals."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from conftest import TINY, tiny_model
 from actwave.stats import blockstats
 from actwave.stats.metrics import StreamingLayerStats
 from actwave.profile import build, parameters
-from actwave.tools import plan
+from actwave.tools import costs, plan
 from actwave.tools.runplan import load_profile
 
 LLAMA_8B = "profiles/configs/llama-3.1-8b.json"
@@ -24,7 +24,7 @@ def tiny_config(tmp_path):
 
 
 def test_meta_shape_counts_the_parameters_of_the_built_model(tiny_config):
-    shape = plan.model_shape(tiny_config)
+    shape = costs.model_shape(tiny_config)
     built = tiny_model()  # real weights: an independent count
     assert shape.params == sum(p.numel() for p in built.parameters())
     assert (shape.layers, shape.dim, shape.vocab, shape.heads, shape.kv_heads) == (4, 64, 128, 4, 2)
@@ -32,7 +32,7 @@ def test_meta_shape_counts_the_parameters_of_the_built_model(tiny_config):
 
 def test_llama_8b_config_has_the_published_parameter_count():
     from actwave.config import repo_root
-    shape = plan.model_shape(str(repo_root() / LLAMA_8B))
+    shape = costs.model_shape(str(repo_root() / LLAMA_8B))
     assert shape.params == 8_030_261_248  # Llama-3.1-8B
     assert (shape.layers, shape.dim, shape.vocab, shape.tied) == (32, 4096, 128256, False)
     assert shape.forward_flops == 2 * (8_030_261_248 - 128256 * 4096)
@@ -40,17 +40,17 @@ def test_llama_8b_config_has_the_published_parameter_count():
 
 def test_committed_rates_parse_and_a_missing_row_is_named(tmp_path):
     from actwave.config import repo_root
-    rates = plan.read_rates(repo_root() / "results" / "benchmarks" / "summary.csv")
+    rates = costs.read_rates(repo_root() / "results" / "benchmarks" / "summary.csv")
     assert set(rates) == {"capture", "regenerate", "stats", "train", "eval", "decode",
                           "longrun_train", "longrun_score"}
     assert all(value > 1e8 for value in rates.values())  # FLOP/s of a real machine
     broken = tmp_path / "summary.csv"
     broken.write_text("benchmark,measure,ratio,target,detail,bench_seconds\n")
     with pytest.raises(ValueError, match="no 'capture /' row"):
-        plan.read_rates(broken)
+        costs.read_rates(broken)
 
 
-SMOL = plan.Shape("smollm2-135m", plan.REFERENCE["params"], 30, 576, 49152, 9, 3, 64, 1536)
+SMOL = costs.Shape("smollm2-135m", costs.REFERENCE["params"], 30, 576, 49152, 9, 3, 64, 1536)
 
 
 def test_the_study_plan_predicts_the_study_s_own_measured_times():
@@ -60,7 +60,7 @@ def test_the_study_plan_predicts_the_study_s_own_measured_times():
     import glob
     from actwave.config import repo_root
     root = repo_root()
-    rates = plan.read_rates(root / "results" / "benchmarks" / "summary.csv")
+    rates = costs.read_rates(root / "results" / "benchmarks" / "summary.csv")
     profile = {**parameters(load_profile("cpu")), **parameters(load_profile("study"))}
     predicted = plan.decode_needs(SMOL, profile, rates)[0].seconds
     measured = sum(json.loads(line)["seconds"]
@@ -71,10 +71,10 @@ def test_the_study_plan_predicts_the_study_s_own_measured_times():
     config = build("longrun", profile, model="smollm2-135m")
     assert {key: getattr(config, key) for key in ("batch_size", "max_seq_len",
                                                    "draft_vocab_size", "ttt_steps")} == {
-        key: plan.LONGRUN_REFERENCE[key] for key in ("batch_size", "max_seq_len",
+        key: costs.LONGRUN_REFERENCE[key] for key in ("batch_size", "max_seq_len",
                                                      "draft_vocab_size", "ttt_steps")}
     training = plan.longrun_needs(SMOL, profile, rates)[1]
-    with open(root / plan.LONGRUN_COSTS) as f:
+    with open(root / costs.LONGRUN_COSTS) as f:
         largest = max(csv.DictReader(f), key=lambda row: (int(row["budget"]), int(row["drafts"])))
     steps = int(training.step.split("× ")[1].split()[0])
     per_step = training.seconds / (int(profile["longrun_seeds"]) * plan.KEY_SETS * steps)
@@ -82,7 +82,7 @@ def test_the_study_plan_predicts_the_study_s_own_measured_times():
 
 
 def test_statistics_lines_equal_the_accumulator_formulas(tiny_config):
-    shape = plan.model_shape(tiny_config)
+    shape = costs.model_shape(tiny_config)
     rates = dict.fromkeys(("capture", "regenerate", "stats", "train", "eval", "decode",
                            "longrun_train", "longrun_score"), 1e9)
     profile = {**parameters(load_profile("cpu")), "notebooks": "02"}
@@ -152,8 +152,8 @@ def test_study_plan_prints_the_study_steps_with_times(tiny_config, capsys):
 
 
 def test_plan_without_model_covers_the_profiles_models(tiny_config, monkeypatch, capsys):
-    shape = plan.model_shape(tiny_config)
-    monkeypatch.setattr(plan, "model_shape", lambda name: plan.Shape(name, *list(vars(shape).values())[1:]))
+    shape = costs.model_shape(tiny_config)
+    monkeypatch.setattr(plan, "model_shape", lambda name: costs.Shape(name, *list(vars(shape).values())[1:]))
     assert plan.main(["--profile", "study", "--memory-gib", "8", "--disk-gib", "10"]) == 0
     out = capsys.readouterr().out
     assert "plan · smollm2-135m" in out and "plan · gemma3-270m" in out
