@@ -45,7 +45,8 @@ from actwave.eagle3.features import TargetFeatures, features_root, train_from_fe
 from actwave.eagle3.online import OnlineSource
 from actwave.eagle3.train import TrainConfig, TrainData, evaluate_data
 from actwave.stats.selection import eagle3_default
-from actwave.study.longrun import LongRunConfig, features, text_sources
+from actwave.study.longrun import LongRunConfig, features
+from actwave.study.longtext import text_sources
 
 OUT = repo_root() / "results/benchmarks"
 CURVE_SEQUENCES = 100  # held-out sequences scored at every checkpoint (the learning curve)

@@ -17,7 +17,7 @@ from actwave.eagle3 import train as train_mod
 from actwave.eagle3.online import OnlineSource, train_online
 from actwave.eagle3.schedule import WSDSchedule, cost, wsd_factor
 from actwave.eagle3.train import Segment
-from actwave.study import longrun
+from actwave.study import keysets, longrun, longscore, longtext
 from actwave.study import report as study_report
 from actwave.study import stats as study_stats
 from actwave.study.runs import StudySet
@@ -146,14 +146,14 @@ def test_records_per_position_acceptance_reproduces_tau_and_walks(tmp_path):
     run = _run(tmp_path, target)
     record = longrun.run_job(longrun.plan(SETS, run.config.budgets)[0], run)
     offline = record["offline"]
-    decoded = longrun.decode_positions(offline["positions"])
+    decoded = longscore.decode_positions(offline["positions"])
     assert len(decoded) == offline["n_sequences"] == len(run.eval)
     accepted = sum(int(a.sum()) for _, a in decoded)
     roots = sum(r.size for r, _ in decoded)
     assert roots == offline["n_roots"] and 1.0 + accepted / roots == offline["tau_hat"]
     for (r, a), row in zip(decoded, offline["per_sequence"]):
         assert (int(a.sum()), r.size) == (row["accepted"], row["roots"])
-        tau, rounds = longrun.sequence_walk(r, a, row["n_reply"])
+        tau, rounds = longscore.sequence_walk(r, a, row["n_reply"])
         assert rounds == row["walk_rounds"] and tau == pytest.approx(row["walk_tau"], abs=0)
     assert len(offline["step_acceptance"]) == len(offline["step_agreement"]) == 2
     assert record["data"]["eval"] == "online-eval" and record["schedule"]["branch_start"] == 1
@@ -188,18 +188,18 @@ def test_positions_round_trip_and_walk_matches_decode_walk():
         results.append(SequenceAcceptance(accepted, torch.zeros(3), torch.arange(first,
                                                                                  first + length)))
     gap = SequenceAcceptance(torch.tensor([1, 0, 2]), torch.zeros(3), torch.tensor([4, 5, 9]))
-    encoded = longrun.encode_positions(results + [gap])
+    encoded = longscore.encode_positions(results + [gap])
     assert encoded["roots"][-1] == [[4, 2], [9, 1]]
-    decoded = longrun.decode_positions(json.loads(json.dumps(encoded)))
+    decoded = longscore.decode_positions(json.loads(json.dumps(encoded)))
     for (roots, accepted), result in zip(decoded, results + [gap]):
         assert roots.tolist() == result.roots.tolist()
         assert accepted.tolist() == result.accepted.tolist()
     assert 1.0 + sum(a.sum() for _, a in decoded) / sum(r.size for r, _ in decoded) == \
         tau_hat(results + [gap])
     # a reply of n tokens has n − 1 roots; the walk jumps accepted + 1 tokens per round
-    tau, rounds = longrun.sequence_walk([5, 6, 7, 8], [2, 0, 0, 1], 5)
+    tau, rounds = longscore.sequence_walk([5, 6, 7, 8], [2, 0, 0, 1], 5)
     assert (tau, rounds) == (4 / 2, 2)
-    assert math.isnan(longrun.sequence_walk([4, 5, 9], [1, 0, 2], 4)[0])
+    assert math.isnan(longscore.sequence_walk([4, 5, 9], [1, 0, 2], 4)[0])
 
 
 # ----------------------------------------------------------------------------- planner
@@ -283,7 +283,7 @@ def test_committed_records_keep_their_keys(smollm2):
     values = parameters(load_profile("study"))
     config = build("longrun", values, model="smollm2-135m")
     target, tokenizer = smollm2
-    sources = longrun.text_sources("smollm2-135m", tokenizer, config.max_seq_len,
+    sources = longtext.text_sources("smollm2-135m", tokenizer, config.max_seq_len,
                                    values["longrun_train_conversations"],
                                    values["longrun_eval_conversations"])
     records = longrun.load_records(longrun.results_folder("smollm2-135m"))
@@ -319,12 +319,12 @@ def test_study_sets_pin_the_pre_registration(tmp_path, monkeypatch):
     one_x_study("10,20,27", {"cka_compartments": 1.17, "random_low_1": 1.10,
                              "random_high_1": 1.16})
     first = longrun.study_sets("smollm2-135m", None, 3, tmp_path)
-    pinned = longrun.results_folder("smollm2-135m", tmp_path) / longrun.SETS_FILE
+    pinned = longrun.results_folder("smollm2-135m", tmp_path) / keysets.SETS_FILE
     assert pinned.is_file()
     assert [s.label for s in first][3:5] == ["cka_compartments", "random_high_1"]
     rerun_taus = {"cka_compartments": 1.17, "random_low_1": 1.20, "random_high_1": 1.16}
     one_x_study("2,10,27", rerun_taus)
-    assert longrun.key_sets(longrun.read_sets(table), rerun_taus, 3) != first
+    assert keysets.key_sets(keysets.read_sets(table), rerun_taus, 3) != first
     again = longrun.study_sets("smollm2-135m", None, 2, tmp_path)
     assert [(s.label, s.layer_ids, s.kind) for s in again] == [
         (s.label, s.layer_ids, s.kind) for s in first]
@@ -338,11 +338,11 @@ def test_committed_long_runs_ran_their_pinned_sets():
     """Both models' key sets are pinned (pre-registered in the README before any long run),
     and every committed record is one of them: what a resumed run reads."""
     root = longrun.results_folder("smollm2-135m").parent
-    folders = sorted(path.parent for path in root.glob(f"*/{longrun.SETS_FILE}"))
+    folders = sorted(path.parent for path in root.glob(f"*/{keysets.SETS_FILE}"))
     assert [f.name for f in folders] == ["gemma3-270m", "smollm2-135m"]
     assert {path.parent.parent for path in root.glob("*/records/*.json")} <= set(folders)
     for folder in folders:
-        sets = longrun.pinned_sets(folder / longrun.SETS_FILE, seeds=3)
+        sets = keysets.pinned_sets(folder / keysets.SETS_FILE, seeds=3)
         assert len(sets) == 6, folder.name
         allowed = {(s.label, s.layer_ids) for s in sets}
         for record in longrun.load_records(folder):
@@ -353,12 +353,12 @@ def test_read_sets_takes_the_table_or_given_seeds(tmp_path):
     path = tmp_path / "sets.csv"
     path.write_text('label,layer_ids,kind,seeds\neagle3_default,"2,15,27",default,3\n'
                     'top_layer,30,baseline,1\n')
-    sets = longrun.read_sets(path)
+    sets = keysets.read_sets(path)
     assert [(s.label, s.layer_ids, s.seeds) for s in sets] == [
         ("eagle3_default", (2, 15, 27), 3), ("top_layer", (30,), 1)]
-    assert [s.seeds for s in longrun.read_sets(path, ["top_layer"], seeds=2)] == [2]
+    assert [s.seeds for s in keysets.read_sets(path, ["top_layer"], seeds=2)] == [2]
     with pytest.raises(ValueError, match="no set"):
-        longrun.read_sets(path, ["missing"])
+        keysets.read_sets(path, ["missing"])
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -386,7 +386,7 @@ def test_committed_chained_acceptance_equals_the_per_position_lengths():
     path = sorted(longrun.results_folder("smollm2-135m").glob("records/*.json"))[0]
     offline = json.loads(path.read_text())["offline"]
     lengths = np.concatenate([accepted for _, accepted in
-                              longrun.decode_positions(offline["positions"])])
+                              longscore.decode_positions(offline["positions"])])
     assert lengths.size == offline["n_roots"]
     shares = [(lengths > step).mean() for step in range(offline["depth"])]
     assert shares == pytest.approx(offline["step_acceptance"], abs=1e-6)
@@ -498,11 +498,11 @@ def test_key_sets_take_labels_or_aliases_and_the_best_of_each_family():
             StudySet("entropy_topk", (28, 29, 30), "selected", 1, ("last_k",))]
     one_x = {"cka_compartments": 1.17, "cka_compartments@filtered": 1.18,
              "random_low_1": 1.10, "random_high_1": 1.16}
-    chosen = longrun.key_sets(sets, one_x, seeds=3)
+    chosen = keysets.key_sets(sets, one_x, seeds=3)
     assert [(s.label, s.layer_ids) for s in chosen] == [
         ("eagle3_default", (2, 15, 27)), ("renyi2_exhaustive@filtered", (11, 28, 29)),
         ("renyi2_exhaustive", (2, 28, 29)), ("cka_compartments@filtered", (2, 10, 27)),
         ("random_high_1", (17, 19, 21)), ("last_k", (28, 29, 30))]
     assert {s.seeds for s in chosen} == {3}
     with pytest.raises(ValueError, match="no scored random set"):
-        longrun.key_sets(sets, {"cka_compartments": 1.2}, seeds=3)
+        keysets.key_sets(sets, {"cka_compartments": 1.2}, seeds=3)

@@ -12,7 +12,7 @@ holding the config (set, seed, budget, schedule, the regenerated pools' digests)
 training seconds and tokens up to b (with the host, device, threads and load average, to
 judge whether the machine was idle), offline τ̂ (chain depth K = ttt_steps) on the held-out
 pool, per-TTT-step acceptance and agreement, and the **per-position accepted-chain length**
-of every held-out root (``encode_positions``): the array ``decode_walk`` walks, so a
+of every held-out root (``longscore.encode_positions``): the array ``decode_walk`` walks, so a
 decoding τ on the same greedy text can be checked exactly against it.
 
 Training reads the target's features computed once per text (``eagle3.features``: the
@@ -24,7 +24,8 @@ batched as online scoring batches them, so scoring equals online scoring. The tr
 branches resume from checkpoints at step granularity, and a finished record is never
 redone. Jobs run in ``plan`` order: the 1× and 4× budgets whole across all sets and seeds,
 then one (seed, set) trunk at a time through 16× and 32× (seed 0 of every set first).
-``status`` says what is done and estimates what is left. Statistics over the records:
+``status`` says what is done and estimates what is left. The sets: ``actwave.study.keysets``;
+the text: ``actwave.study.longtext``. Statistics over the records:
 ``actwave.study.stats`` (``rank_stability``, ``budget_curves``, ``budget_comparisons``).
 
 Launch (one process; resumable, rerun the same command after an interruption):
@@ -34,15 +35,12 @@ Launch (one process; resumable, rerun the same command after an interruption):
 """
 from __future__ import annotations
 
-import base64
-import csv
 import json
 import logging
 import os
 import platform
 import shutil
 import time
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -50,14 +48,17 @@ import numpy as np
 import torch
 
 from actwave.config import atomic_write_json, config_hash, cpu_name, package_versions
-from actwave.decoding.acceptance import decode_walk, sequence_acceptance, tau_hat
 from actwave.eagle3.features import (FeatureConfig, TargetFeatures, features_root, open_features,
                                      train_from_features)
 from actwave.eagle3.online import OnlineSource
 from actwave.eagle3.schedule import WSDSchedule, cost
 from actwave.eagle3.train import DTYPES as TRAIN_DTYPES
-from actwave.eagle3.train import Segment, TrainConfig, TrainData
+from actwave.eagle3.train import Segment, TrainConfig
 from actwave.integrity import Between, check_fields
+from actwave.study.keysets import (SETS_FILE, key_sets, one_x_tau, pin_sets, pinned_sets,
+                                   read_sets)
+from actwave.study.longscore import score
+from actwave.study.longtext import text_sources
 from actwave.study.runs import StudySet
 from actwave.study.stats import PRIMARY, REFERENCE
 
@@ -186,219 +187,6 @@ def status(jobs: list[Job], results_dir: Path, schedule: WSDSchedule,
             "by_budget": by_budget, "seconds_per_step": seconds_per_step,
             "score_seconds": score,
             "remaining_seconds": sum(steps[j] * seconds_per_step + score for j in missing)}
-
-
-def read_sets(path: Path, labels=None, seeds: int | None = None) -> list[StudySet]:
-    """The study's sets from its set table (``08_sets_<model>.csv``): all, or those in
-    ``labels``; each with the table's seed count, or ``seeds`` for every set."""
-    with Path(path).open() as f:
-        rows = list(csv.DictReader(f))
-    chosen = [r for r in rows if labels is None or r["label"] in labels]
-    missing = set(labels or ()) - {r["label"] for r in chosen}
-    if missing:
-        raise ValueError(f"{path} has no set {sorted(missing)}")
-    return [StudySet(r["label"], tuple(int(v) for v in r["layer_ids"].split(",")), r["kind"],
-                     seeds or int(r["seeds"]),
-                     tuple(a for a in r.get("aliases", "").split(",") if a))
-            for r in chosen]
-
-
-# The pre-registered sets (README, "The study's next step"): the default, the paper's
-# method with and without the token filter, the best compartments pick and the best random
-# triple of the 1× study (by its offline τ̂), and a set holding the last layer.
-KEY_SETS = (REFERENCE, PRIMARY, "renyi2_exhaustive")
-BEST_OF = {"compartments": ("cka_compartments", "cka_compartments@filtered"), "random": ("random_",)}
-LAST_LAYER_SET = "last_k"
-SETS_FILE = "sets.json"       # beside records/: the pinned pre-registration
-SETS_FORMAT = "actwave-longrun-sets-v1"
-
-
-def one_x_tau(records: list[dict]) -> dict[str, float]:
-    """{label: mean offline τ̂ over seeds} of the 1× study's records (main budget only)."""
-    taus: dict[str, list[float]] = {}
-    for record in records:
-        if record.get("steps_factor", 1) == 1:
-            taus.setdefault(record["label"], []).append(record["offline"]["tau_hat"])
-    return {label: float(np.mean(values)) for label, values in taus.items()}
-
-
-def key_sets(sets: list[StudySet], one_x: dict[str, float], seeds: int) -> list[StudySet]:
-    """The pre-registered sets, ``seeds`` seeds each: ``KEY_SETS``, the best (1× τ̂) of each
-    ``BEST_OF`` family, and ``LAST_LAYER_SET``, found by label or alias (a set several
-    methods picked is trained once in the 1× study); a family or set the table lacks is
-    refused. Two key names for one layer set run once, under the first name."""
-    by_label = {name: s for s in sets for name in (s.label, *s.aliases)}
-    labels = list(KEY_SETS)
-    for family, prefixes in BEST_OF.items():
-        members = [s.label for s in sets if s.label.startswith(prefixes) and s.label in one_x]
-        if not members:
-            raise ValueError(f"no scored {family} set in the study's table (prefixes {prefixes})")
-        labels.append(max(members, key=lambda label: (one_x[label], label)))
-    labels.append(LAST_LAYER_SET)
-    missing = [label for label in labels if label not in by_label]
-    if missing:
-        raise ValueError(f"the study's set table has no {missing}")
-    chosen: dict[tuple[int, ...], StudySet] = {}
-    for label in labels:
-        found = by_label[label]
-        chosen.setdefault(tuple(found.layer_ids),
-                          StudySet(label, tuple(found.layer_ids), found.kind, seeds))
-    return list(chosen.values())
-
-
-def pin_sets(path: Path, sets: list[StudySet], one_x: dict[str, float], source: str) -> None:
-    """Write the pre-registered sets of a model's long runs (label, layers, kind), with the
-    1× τ̂ that chose the best of each family and where they came from."""
-    atomic_write_json(Path(path), {
-        "format": SETS_FORMAT, "source": source, "one_x_tau": dict(sorted(one_x.items())),
-        "sets": [{"label": s.label, "layer_ids": list(s.layer_ids), "kind": s.kind} for s in sets]})
-
-
-def pinned_sets(path: Path, seeds: int) -> list[StudySet]:
-    """The sets ``pin_sets`` wrote, ``seeds`` seeds each."""
-    pinned = json.loads(Path(path).read_text())
-    if pinned.get("format") != SETS_FORMAT:
-        raise ValueError(f"{path} is not a long-run set file (format {pinned.get('format')!r})")
-    return [StudySet(s["label"], tuple(s["layer_ids"]), s["kind"], seeds) for s in pinned["sets"]]
-
-
-# ----------------------------------------------------------------------------- data
-def pool_digest(manifest: dict) -> str:
-    """The identity of a regenerated pool: its config, model and every chunk's sha256 (the
-    text itself, not the timing fields a restore rewrites)."""
-    chunks = [(c["file"], c["sha256"]) for c in manifest["chunks"]]
-    return config_hash({"config": manifest["config_hash"], "model": manifest["model_digest"],
-                        "chunks": chunks})
-
-
-def pool_source(regen, tokenizer, max_seq_len: int, pinned_dir: Path | None = None
-                ) -> OnlineSource:
-    """The tokenised sequences of a finished regeneration (``capture.regenerate``), restored
-    from ``pinned_dir`` when given; identity ``pool-<pool_digest>``. Refuses an unfinished one
-    (this never starts a regeneration)."""
-    from actwave.capture import data as data_mod
-    from actwave.capture import regenerate
-
-    if pinned_dir is not None:
-        regenerate.restore(regen, pinned_dir)
-    folder = regenerate.output_dir(regen)
-    manifest = json.loads((folder / "manifest.json").read_text()) if (
-        folder / "manifest.json").exists() else {}
-    if not manifest.get("complete") or not all((folder / c["file"]).is_file()
-                                               for c in manifest["chunks"]):
-        raise ValueError(f"regeneration {folder} is not finished; wait for it (or run "
-                         "actwave.capture.regenerate.regenerate) first")
-    rows = regenerate.regenerate(regen, progress=False)
-    sequences = [data_mod.tokenize_chat(tokenizer, row["messages"], max_seq_len) for row in rows]
-    sequences = [s for s in sequences if any(s["loss_mask"]) and len(s["input_ids"]) >= 3]
-    return OnlineSource.from_sequences(sequences, f"pool-{pool_digest(manifest)}",
-                                       f"regenerated:{folder.name}")
-
-
-def sharegpt_source(model: str, split: str, n: int, tokenizer, max_seq_len: int) -> OnlineSource:
-    """The first ``n`` usable conversations of a ShareGPT split with their *original*
-    replies (for a target whose own greedy replies degenerate, e.g. the Gemma-3 base
-    model: docs/METHODS.md §3); identity ``sharegpt-<hash of the text and settings>``."""
-    from actwave.capture import data as data_mod
-
-    rows = data_mod.sharegpt_split(split)
-    sequences, used = [], []
-    for index, row in enumerate(rows):
-        sequence = data_mod.tokenize_chat(tokenizer, row["messages"], max_seq_len)
-        if any(sequence["loss_mask"]) and len(sequence["input_ids"]) >= 3:
-            sequences.append(sequence)
-            used.append(index)
-        if len(sequences) == n:
-            break
-    identity = config_hash({"model": model, "split": split, "n": n, "max_seq_len": max_seq_len,
-                            "data": data_mod.content_hash(rows.select(used))})
-    return OnlineSource.from_sequences(sequences, f"sharegpt-{identity}", f"sharegpt:{split}")
-
-
-def text_sources(model: str, tokenizer, max_seq_len: int, n_train: int, n_eval: int
-                 ) -> dict[str, OnlineSource]:
-    """{"train", "eval"}: the model's regenerated pools (``capture.pools``; the first n of
-    each) when it has them, else ShareGPT's original replies of the same splits."""
-    from actwave.capture import pools
-
-    if model not in pools.pool_configs():
-        return {split: sharegpt_source(model, split, n, tokenizer, max_seq_len)
-                for split, n in (("train", n_train), ("eval", n_eval))}
-    sources = {}
-    for split, n in (("train", n_train), ("eval", n_eval)):
-        source = pool_source(pools.pool_config(model, split), tokenizer, max_seq_len,
-                             pools.pinned_dir())
-        sources[split] = OnlineSource(source.input_ids[:n], source.loss_mask[:n],
-                                      f"{source.config_hash}-first{n}", source.path)
-    return sources
-
-
-# ----------------------------------------------------------------------------- scoring
-def root_runs(roots: list[int]) -> list[list[int]]:
-    """Sorted root positions -> [[first, length], ...] runs of consecutive positions."""
-    runs: list[list[int]] = []
-    for root in roots:
-        if runs and runs[-1][0] + runs[-1][1] == root:
-            runs[-1][1] += 1
-        else:
-            runs.append([root, 1])
-    return runs
-
-
-def encode_positions(results) -> dict:
-    """Per-root accepted lengths of every sequence, compactly: root runs per sequence and
-    all accepted values (≤ K < 256) as one zlib-compressed, base64 uint8 array."""
-    accepted = np.concatenate([r.accepted.numpy() for r in results]).astype(np.uint8)
-    return {"encoding": "roots: [first, length] runs per sequence; accepted: base64(zlib("
-                        "uint8)), sequences concatenated in order",
-            "roots": [root_runs(r.roots.tolist()) for r in results],
-            "accepted": base64.b64encode(zlib.compress(accepted.tobytes(), 9)).decode()}
-
-
-def decode_positions(positions: dict) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``encode_positions`` inverted -> per sequence (roots (R,), accepted (R,)) int64."""
-    flat = np.frombuffer(zlib.decompress(base64.b64decode(positions["accepted"])), np.uint8)
-    out, offset = [], 0
-    for runs in positions["roots"]:
-        roots = np.concatenate([np.arange(a, a + n) for a, n in runs] or [np.zeros(0)])
-        out.append((roots.astype(np.int64), flat[offset: offset + roots.size].astype(np.int64)))
-        offset += roots.size
-    return out
-
-
-def sequence_walk(roots, accepted, n_reply: int) -> tuple[float, int]:
-    """The chain-decoding τ and rounds of one reply (``decode_walk`` from its first token);
-    NaN, 0 when the roots are not the reply's one contiguous run (multi-turn text)."""
-    roots = [int(r) for r in roots]
-    if not roots or roots != list(range(roots[0], roots[0] + n_reply - 1)):
-        return float("nan"), 0
-    return decode_walk(dict(zip(roots, (int(a) for a in accepted))), roots[0], n_reply)
-
-
-@torch.no_grad()
-def score(draft, data: TrainData, depth: int) -> dict:
-    """Offline acceptance of ``draft`` on every held-out sequence of ``data`` (the target's
-    stored states and argmax): τ̂, per-step acceptance (Π hits) and agreement (hit at step
-    i), one row per sequence (roots, accepted, n_reply, walk τ) and the per-position arrays."""
-    was_training = draft.training
-    draft.eval()
-    results = [sequence_acceptance(draft, data.target_states[i].float(), data.input_ids[i],
-                                   data.argmax[i], data.loss_mask[i], depth=depth)
-               for i in range(len(data))]
-    draft.train(was_training)
-    roots = max(sum(r.n_roots for r in results), 1)
-    rows = []
-    for index, result in enumerate(results):
-        n_reply = int(data.loss_mask[index].sum())
-        walk, rounds = sequence_walk(result.roots.tolist(), result.accepted.tolist(), n_reply)
-        rows.append({"roots": result.n_roots,
-                     "accepted": int(result.accepted.sum()), "n_reply": n_reply,
-                     "walk_tau": walk, "walk_rounds": rounds})
-    return {"tau_hat": tau_hat(results), "depth": depth, "n_sequences": len(results),
-            "n_roots": sum(r.n_roots for r in results),
-            "step_acceptance": (sum(r.reached for r in results) / roots).tolist(),
-            "step_agreement": (sum(r.step_hits for r in results) / roots).tolist(),
-            "per_sequence": rows, "positions": encode_positions(results)}
 
 
 # ----------------------------------------------------------------------------- running

@@ -242,7 +242,7 @@ def sensitivity_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
                  gram_flops / rates["stats"])]
 
 
-KEY_SETS = 6           # the pre-registered sets (actwave.study.longrun.key_sets)
+KEY_SETS = 6           # the pre-registered sets (actwave.study.keysets.key_sets)
 
 
 def longrun_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
