@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save
 from actwave.capture import store
 from actwave.config import cache_dir
 from actwave.eagle3 import Eagle3Draft
+from actwave.eagle3 import checkpoint as checkpoint_mod
 from actwave.eagle3 import train as train_mod
 from actwave.integrity import IntegrityError, LockedError, WriterLock, bytes_record
 from actwave.stats import analysis
@@ -216,13 +217,13 @@ def test_kill_during_training_resumes_bit_identical(target, trained, tmp_path):
 def test_disk_full_during_a_checkpoint_leaves_no_temp_folder(target, trained, tmp_path,
                                                              monkeypatch):
     train_store, weights, history, _ = trained
-    config, real = train_mod.TrainConfig(**TRAIN), train_mod.atomic_write_json
+    config, real = train_mod.TrainConfig(**TRAIN), checkpoint_mod.atomic_write_json
 
     def disk_full_at_step_4(path, obj):
         if path.parent.name.startswith(".tmp-step-0000004-"):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(path, obj)
-    monkeypatch.setattr(train_mod, "atomic_write_json", disk_full_at_step_4)
+    monkeypatch.setattr(checkpoint_mod, "atomic_write_json", disk_full_at_step_4)
     with pytest.raises(OSError, match="No space left on device"):
         train_mod.train_draft(train_store, target, config, tmp_path, progress=False)
     checkpoints = tmp_path / "checkpoints"
@@ -231,7 +232,7 @@ def test_disk_full_during_a_checkpoint_leaves_no_temp_folder(target, trained, tm
     leftover = checkpoints / ".tmp-step-0000004-killed"
     leftover.mkdir()
     (leftover / "state.safetensors").write_bytes(b"half a checkpoint")
-    monkeypatch.setattr(train_mod, "atomic_write_json", real)
+    monkeypatch.setattr(checkpoint_mod, "atomic_write_json", real)
     result = train_mod.train_draft(train_store, target, config, tmp_path, progress=False)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-0000006"]
     assert _equal(_weights(result.draft), weights)
