@@ -79,6 +79,10 @@ def test_the_study_plan_predicts_the_study_s_own_measured_times():
     steps = int(training.step.split("× ")[1].split()[0])
     per_step = training.seconds / (int(profile["longrun_seeds"]) * plan.KEY_SETS * steps)
     assert abs(per_step / float(largest["seconds_per_step"]) - 1) < 0.25
+    # a model without regenerated pools trains on ShareGPT's longer original replies
+    unpooled = costs.Shape("no-pools", *list(vars(SMOL).values())[1:])
+    ratio = plan.longrun_needs(unpooled, profile, rates)[1].seconds / training.seconds
+    assert ratio == pytest.approx(costs.SHAREGPT_FILL / costs.LONGRUN_FILL) and ratio > 1.5
 
 
 def test_statistics_lines_equal_the_accumulator_formulas(tiny_config):

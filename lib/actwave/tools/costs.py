@@ -29,6 +29,9 @@ LONGRUN_COSTS = Path("results/study/12_study_long_costs_smollm2-135m.csv")
 LONGRUN_REFERENCE = {"batch_size": 2, "max_seq_len": 320, "draft_vocab_size": 16384,
                      "ttt_steps": 3, "eval_conversations": 400}
 LONGRUN_FILL = 147_013 / (768 * 320)  # regenerated sequences fill 60% of 320 (results/benchmarks/draft.json)
+# ShareGPT's original replies (a model without regenerated pools) fill 97% of 320: 39,630
+# tokens in 64 steps × 2 (results/study/long/gemma3-270m/records/eagle3_default-s0-b64.json)
+SHAREGPT_FILL = 39_630 / (64 * 2 * 320)
 
 
 @dataclass

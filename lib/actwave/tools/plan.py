@@ -29,8 +29,9 @@ from actwave.stats.analysis import available_bytes
 from actwave.stats.blockstats import pair_schedule, peak_bytes
 from actwave.stats.metrics import StreamingLayerStats
 from actwave.profile import build, parameters, section
-from actwave.tools.costs import (LONGRUN_FILL, RATE_SOURCES, Shape, draft_train_bytes,
-                                 draft_train_flops_per_token, model_shape, read_rates)
+from actwave.tools.costs import (LONGRUN_FILL, RATE_SOURCES, SHAREGPT_FILL, Shape,
+                                 draft_train_bytes, draft_train_flops_per_token, model_shape,
+                                 read_rates)
 from actwave.tools.runplan import Refusal, load_profile
 
 GIB = 2**30
@@ -249,7 +250,9 @@ def longrun_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
     """Notebook 12: the target's features of the train and held-out text once (a forward
     over each pool), one WSD run per (set, seed) trained from them (the draft's forward and
     backward only), and one offline scoring per scored budget (the draft's unroll only,
-    ~1/3 of a training step's FLOPs per token)."""
+    ~1/3 of a training step's FLOPs per token). The text is the model's regenerated pools
+    (``capture.pools``) when it has them, else ShareGPT's longer original replies."""
+    from actwave.capture.pools import pool_configs
     from actwave.eagle3.schedule import cost
 
     config = build("longrun", p, model=shape.name)
@@ -257,7 +260,7 @@ def longrun_needs(shape: Shape, p: dict, rates: dict) -> list[Need]:
     steps = cost(config.schedule())["wsd"]
     named = [x for x in str(p.get("longrun_sets", "")).split(",") if x.strip()]
     runs = (len(named) if named and named != ["all"] else KEY_SETS) * int(p["longrun_seeds"])
-    fill = seq * LONGRUN_FILL
+    fill = seq * (LONGRUN_FILL if Path(shape.name).stem in pool_configs() else SHAREGPT_FILL)
     pools = (int(p["longrun_train_conversations"]) + int(p["longrun_eval_conversations"])) * fill
     draft = draft_train_flops_per_token(shape, 3, config.draft_vocab_size, config.ttt_steps, seq)
     tokens = runs * steps * config.batch_size * fill
