@@ -50,7 +50,7 @@ def test_committed_rates_parse_and_a_missing_row_is_named(tmp_path):
         costs.read_rates(broken)
 
 
-SMOL = costs.Shape("smollm2-135m", costs.REFERENCE["params"], 30, 576, 49152, 9, 3, 64, 1536)
+SMOL = costs.REFERENCE
 
 
 def test_the_study_plan_predicts_the_study_s_own_measured_times():
@@ -59,6 +59,7 @@ def test_the_study_plan_predicts_the_study_s_own_measured_times():
     import csv
     import glob
     from actwave.config import repo_root
+    from actwave.eagle3.schedule import cost
     root = repo_root()
     rates = costs.read_rates(root / "results" / "benchmarks" / "summary.csv")
     profile = {**parameters(load_profile("cpu")), **parameters(load_profile("study"))}
@@ -76,7 +77,7 @@ def test_the_study_plan_predicts_the_study_s_own_measured_times():
     training = plan.longrun_needs(SMOL, profile, rates)[1]
     with open(root / costs.LONGRUN_COSTS) as f:
         largest = max(csv.DictReader(f), key=lambda row: (int(row["budget"]), int(row["drafts"])))
-    steps = int(training.step.split("× ")[1].split()[0])
+    steps = cost(config.schedule())["wsd"]
     per_step = training.seconds / (int(profile["longrun_seeds"]) * plan.KEY_SETS * steps)
     assert abs(per_step / float(largest["seconds_per_step"]) - 1) < 0.25
     # a model without regenerated pools trains on ShareGPT's longer original replies

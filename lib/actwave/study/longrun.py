@@ -177,7 +177,7 @@ def status(jobs: list[Job], results_dir: Path, schedule: WSDSchedule,
              or list(records.values()))  # another CPU's seconds are a poorer guess
     per_step = [r["training"]["seconds"] / r["budget"] for r in timed]
     seconds_per_step = float(np.median(per_step)) if per_step else fallback_seconds_per_step
-    score = float(np.mean([r["training"]["score_seconds"] for r in timed])
+    score_seconds = float(np.mean([r["training"]["score_seconds"] for r in timed])
                   if timed else fallback_score_seconds)
     steps = job_steps(jobs, schedule)
     missing = [j for j in jobs if j not in records]
@@ -185,8 +185,9 @@ def status(jobs: list[Job], results_dir: Path, schedule: WSDSchedule,
                  for b in schedule.budgets}
     return {"done": [j.name for j in jobs if j in records], "missing": [j.name for j in missing],
             "by_budget": by_budget, "seconds_per_step": seconds_per_step,
-            "score_seconds": score,
-            "remaining_seconds": sum(steps[j] * seconds_per_step + score for j in missing)}
+            "score_seconds": score_seconds,
+            "remaining_seconds": sum(steps[j] * seconds_per_step + score_seconds
+                                     for j in missing)}
 
 
 # ----------------------------------------------------------------------------- running

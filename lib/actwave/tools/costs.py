@@ -16,8 +16,6 @@ import torch
 
 from actwave.config import cache_dir, repo_root
 
-# The measurements the rates come from: SmolLM2-135M (N=30, d=576, 134.5M parameters).
-REFERENCE = {"params": 134_515_008, "layers": 31, "dim": 576}
 # results/cpu/steps.tsv: 2 passes × 7 methods + 2 HF baselines, 6 prompts × 64 tokens
 EVAL_STEP = ("07_speculative", (2 * 7 + 2) * 6 * 64)
 # The study's own timings (SmolLM2-135M on 2 CPU cores): notebook 09's fast-path decoding and
@@ -54,6 +52,10 @@ class Shape:
         """FLOPs per token of a forward pass: 2 per weight that multiplies (the LM head
         included; an untied input embedding is a lookup)."""
         return 2.0 * (self.params - (0 if self.tied else self.vocab * self.dim))
+
+
+# The model every rate was measured on: SmolLM2-135M (N=30, d=576, 134.5M parameters).
+REFERENCE = Shape("smollm2-135m", 134_515_008, 30, 576, 49152, 9, 3, 64, 1536)
 
 
 def _config(model: str):
@@ -160,16 +162,15 @@ def read_rates(summary: Path) -> dict[str, float]:
         if not found:
             raise ValueError(f"{summary}: no '{prefix}' row with {pattern!r} in its detail")
         return float(found.group(1).replace(",", ""))
-    forward = 2 * REFERENCE["params"]
-    smol = Shape("smollm2-135m", REFERENCE["params"], 30, 576, 49152, 9, 3, 64, 1536)
-    train_flops = draft_train_flops_per_token(smol, 3, 8192, 3, 465)  # bench_train defaults
+    forward = REFERENCE.forward_flops
+    train_flops = draft_train_flops_per_token(REFERENCE, 3, 8192, 3, 465)  # bench_train defaults
     steps_file = repo_root() / "results" / "cpu" / "steps.tsv"
     steps = {row["step"]: float(row["wall_s"])
              for row in _table(steps_file, ("step", "wall_s"), delimiter="\t")}
     if EVAL_STEP[0] not in steps:
         raise ValueError(f"{steps_file}: no step {EVAL_STEP[0]!r} (the evaluation rate)")
     return {
-        **study_rates(smol),
+        **study_rates(REFERENCE),
         "capture": detail("capture /", r"^([\d.]+) vs") * forward,
         "regenerate": detail("batch 16", r"^([\d.]+) vs") * forward,
         "stats": stats_rate(next((r["detail"] for m, r in rows.items()
