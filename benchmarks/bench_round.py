@@ -170,12 +170,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     modules = {} if args.linear_routes == "stock" else {models.slug(args.model): target, "draft": draft}
     with linear_routes.routed(modules) as tables:
         for name, table in tables.items():
-            print(f"linear routes, {name}: one sweep over its linears (ms), stock / routed "
-                  "by row count: " + ", ".join(
-                      f"{rows}: {1e3 * table.seconds['linear'][i]:.0f}/"
-                      f"{1e3 * table.seconds['weight_left'][i]:.0f}"
-                      for i, rows in enumerate(table.rows) if rows in (1, 2, 4, 8, 16, 64)))
+            print(route_line(name, table))
         return measure(target, tokenizer, draft, label, args)
+
+
+def route_line(name: str, table: linear_routes.RouteTable) -> str:
+    """One sweep over the module's linears per route, ms, at a few row counts; * = chosen."""
+    cells = []
+    for i, rows in enumerate(table.rows):
+        if rows in (1, 2, 4, 8, 16, 64):
+            times = "/".join(f"{1e3 * table.seconds[route][i]:.0f}"
+                             + ("*" if route == table.routes[i] else "") for route in table.seconds)
+            cells.append(f"{rows}: {times}")
+    return (f"linear routes, {name}: one sweep over its linears (ms), "
+            f"{' / '.join(table.seconds)} by row count (* = chosen): " + ", ".join(cells))
 
 
 def measure(target, tokenizer, draft, label: str, args) -> list[dict]:
