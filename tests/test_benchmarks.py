@@ -130,3 +130,16 @@ def test_bench_draft_trains_on_the_pool_and_resumes_from_the_pin(tmp_path, monke
     record = json.loads((tmp_path / "out" / "draft.json").read_text())
     assert record["budget"]["lm_head_init"] == record["train_config"]["lm_head_init"] == "target"
     assert (tmp_path / "cache" / "regenerated").is_dir()
+
+
+def test_bench_round_prints_every_route_and_marks_the_chosen_one(monkeypatch):
+    from actwave.decoding.linear_routes import RouteTable
+
+    monkeypatch.syspath_prepend(str(repo_root() / "benchmarks"))
+    bench_round = importlib.import_module("bench_round")
+    table = RouteTable(model="tiny", device="cpu", dtype="torch.float32", threads=2, rows=[1, 2, 3, 4],
+                       routes=["linear", "weight_left", "linear", "linear"],
+                       seconds={"linear": [0.022, 0.030, 0.1, 0.04], "weight_left": [0.05, 0.025, 0.2, 0.06]})
+    line = bench_round.route_line("tiny", table)
+    assert "linear / weight_left by row count" in line
+    assert "1: 22*/50, 2: 30/25*, 4: 40*/60" in line  # row 3 is not among the printed counts
