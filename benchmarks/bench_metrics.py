@@ -18,7 +18,7 @@ import time
 import torch
 
 from actwave.decoding.timing import synchronize
-from actwave.stats.metrics import StreamingLayerStats
+from actwave.stats.layerstats import StreamingLayerStats
 from timing import matmul_gflops  # benchmarks/timing.py
 
 

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from actwave.capture.store import CaptureStore, write_manifest
 from actwave.integrity import IntegrityError, file_record, write_record
+from actwave.stats import layerstats as LS
 from actwave.stats import metrics as M
 from actwave.stats.analysis import (AnalysisConfig, compute_layer_stats, load_layer_stats,
                                     token_keep_mask, token_settings)
@@ -75,7 +76,7 @@ def test_compute_layer_stats_equals_one_shot_on_kept_tokens(store):
             assert float(stats.cka_biased[a, b]) == pytest.approx(
                 float(M.linear_cka(kept[a], kept[b])), abs=1e-9)
     parts = [(kept[i] - kept[i].mean(0)) / (kept[i] - kept[i].mean(0)).norm() for i in (0, 3)]
-    assert M.aggregate_entropy(stats, [0, 3]) == pytest.approx(
+    assert LS.aggregate_entropy(stats, [0, 3]) == pytest.approx(
         float(M.matrix_entropy(torch.cat(parts, dim=1))), abs=1e-8)
 
 
@@ -125,13 +126,13 @@ def test_float32_cross_products_match_float64_and_key_the_cache(store):
 def test_too_large_accumulators_are_refused_before_streaming(store, monkeypatch):
     from actwave.stats import analysis
     capture, _ = store
-    need = M.StreamingLayerStats.accumulator_bytes(N_LAYERS + 1, DIM)
+    need = LS.StreamingLayerStats.accumulator_bytes(N_LAYERS + 1, DIM)
     assert analysis.check_memory(N_LAYERS + 1, DIM, "cpu") == need
     monkeypatch.setattr(analysis, "available_bytes", lambda device: need - 1)
     with pytest.raises(MemoryError, match=r"4 layers × d=8 need .* GiB"):
         compute_layer_stats(capture, AnalysisConfig(), progress=False)
     # an 8B Llama (33 states × 4096) needs ~75 GB: more than one 80 GB GPU has free
-    assert 70e9 < M.StreamingLayerStats.accumulator_bytes(33, 4096) < 80e9
+    assert 70e9 < LS.StreamingLayerStats.accumulator_bytes(33, 4096) < 80e9
 
 
 def test_max_tokens_subsample_is_seeded(store):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from actwave.stats import blockstats as B
+from actwave.stats import layerstats as LS
 from actwave.stats import metrics as M
 
 L, N, D = 5, 300, 16
@@ -44,7 +45,7 @@ def in_chunks(hidden, keep, sizes=(70, 130, 100)):
 @pytest.mark.parametrize("filtered", [False, True])
 def test_block_pairs_equal_the_all_pairs_route(hidden, blocks_per_pass, filtered):
     keep = (torch.arange(N) % 3 != 0) if filtered else None
-    reference = M.StreamingLayerStats(L, D, layers=range(10, 10 + L), chunk_tokens=64)
+    reference = LS.StreamingLayerStats(L, D, layers=range(10, 10 + L), chunk_tokens=64)
     reference.update(hidden, keep)
     expected = reference.finalize()
     stats, passes = B.block_pair_layer_stats(in_chunks(hidden, keep), L, D,
@@ -57,8 +58,8 @@ def test_block_pairs_equal_the_all_pairs_route(hidden, blocks_per_pass, filtered
         torch.testing.assert_close(getattr(stats, name), getattr(expected, name),
                                    rtol=0, atol=1e-10)
     triples = torch.tensor([[10, 11, 12], [10, 13, 14], [11, 12, 14]])
-    torch.testing.assert_close(M.aggregate_renyi2(stats, triples),
-                               M.aggregate_renyi2(expected, triples), rtol=0, atol=1e-10)
+    torch.testing.assert_close(LS.aggregate_renyi2(stats, triples),
+                               LS.aggregate_renyi2(expected, triples), rtol=0, atol=1e-10)
 
 
 def test_block_pairs_match_one_shot_pair_statistics(hidden):
@@ -153,9 +154,9 @@ def test_all_pairs_call_recomputes_a_block_pair_artifact(store):
     first = compute_layer_stats(store, AnalysisConfig(), progress=False, route="block_pairs",
                                 memory_budget=budget)
     with pytest.raises(ValueError, match="route='all_pairs'"):
-        M.aggregate_entropy(first, [0, 2])
+        LS.aggregate_entropy(first, [0, 2])
     full = compute_layer_stats(store, AnalysisConfig(), progress=False)  # needs the blocks
-    assert M.aggregate_entropy(full, [0, 2]) > 0
+    assert LS.aggregate_entropy(full, [0, 2]) > 0
     again = compute_layer_stats(store, AnalysisConfig(), progress=False, route="block_pairs")
     assert again.cov  # the all-pairs artifact serves block-pair calls too
 
@@ -211,7 +212,7 @@ def test_tiny_model_statistics_stay_under_a_budget_the_all_pairs_route_exceeds(t
         "shards": [{"file": "shard-00000.safetensors", "n_tokens": n, "first_sequence": 0,
                     "n_sequences": len(sequences), **record}]})
     capture = store_mod.CaptureStore(path)
-    all_pairs_need = M.StreamingLayerStats.accumulator_bytes(9, 768)
+    all_pairs_need = LS.StreamingLayerStats.accumulator_bytes(9, 768)
     budget = B.fixed_bytes(9, 768) + 2 * 8 * 768 * 768
     assert budget < all_pairs_need
     config = AnalysisConfig(filter="quantile", filter_value=0.25)

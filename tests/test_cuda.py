@@ -14,7 +14,7 @@ from test_speculative import SETTINGS, prompt, random_draft
 
 from actwave.decoding.speculative import generate, greedy_generate
 from actwave.stats import blockstats as B
-from actwave.stats import metrics as M
+from actwave.stats import layerstats as LS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -30,7 +30,7 @@ def wide_states(L: int = 6, n: int = 2000, d: int = 256) -> torch.Tensor:
 def test_block_pairs_on_cuda_equal_all_pairs_on_cpu_and_peak_under_budget():
     hidden = wide_states()
     L, n, d = hidden.shape
-    expected = M.layer_stats(hidden)
+    expected = LS.layer_stats(hidden)
     budget = B.fixed_bytes(L, d) + 3 * 8 * d * d
     on_gpu = hidden.cuda()
     # The first call on a device makes cuBLAS/cuSOLVER allocate their workspaces (tens of MB
@@ -43,7 +43,7 @@ def test_block_pairs_on_cuda_equal_all_pairs_on_cpu_and_peak_under_budget():
     stats, passes = B.block_pair_layer_stats(lambda: [(on_gpu, None)], L, d, budget, "cuda")
     peak = torch.cuda.max_memory_allocated() - before
     assert passes == 7  # 21 pairs, 3 a pass
-    assert peak <= budget < M.StreamingLayerStats.accumulator_bytes(L, d), (peak, budget)
+    assert peak <= budget < LS.StreamingLayerStats.accumulator_bytes(L, d), (peak, budget)
     assert stats.cka.is_cuda
     for name in ("entropy", "renyi2", "cka", "cka_biased"):
         torch.testing.assert_close(getattr(stats, name).cpu(), getattr(expected, name),

@@ -21,7 +21,7 @@ from actwave.eagle3 import Eagle3Draft
 from actwave.eagle3 import train as train_mod
 from actwave.eagle3.online import OnlineSource, evaluate_online, online_batch, train_online
 from actwave.eagle3.ttt import TTTLoss
-from actwave.stats import metrics as M
+from actwave.stats import layerstats as LS
 from actwave.stats.analysis import AnalysisConfig, compute_layer_stats
 from actwave.stats.distributed import layer_stats_all_processes
 
@@ -64,9 +64,9 @@ def test_partial_sums_of_token_shards_add_to_the_whole():
     """Two streams over disjoint tokens with one reference, sums added == one stream."""
     torch.manual_seed(0)
     hidden = torch.randn(3, 90, 6, dtype=torch.float64) * 2 + 5  # (L, n, d), far from 0
-    whole = M.layer_stats(hidden)
+    whole = LS.layer_stats(hidden)
     reference = hidden[:, 40:50].mean(dim=1)  # any shared shift will do
-    left, right = (M.StreamingLayerStats(3, 6, chunk_tokens=7, reference=reference)
+    left, right = (LS.StreamingLayerStats(3, 6, chunk_tokens=7, reference=reference)
                    for _ in range(2))
     left.update(hidden[:, :31])
     right.update(hidden[:, 31:])
@@ -84,7 +84,7 @@ def test_partial_sums_of_token_shards_add_to_the_whole():
 
 def test_reference_of_wrong_shape_is_refused():
     with pytest.raises(ValueError, match=r"reference must be \(L=3, d=6\), got \(3, 5\)"):
-        M.StreamingLayerStats(3, 6, reference=torch.zeros(3, 5))
+        LS.StreamingLayerStats(3, 6, reference=torch.zeros(3, 5))
 
 
 def test_store_shard_ids_out_of_range_are_refused(tmp_path):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from actwave.stats import layerstats as LS
 from actwave.stats import metrics as M
 
 
@@ -213,7 +214,7 @@ def hidden():
 def streamed(hidden):
     keep = torch.ones(hidden.shape[1], dtype=torch.bool)
     keep[::7] = False
-    stream = M.StreamingLayerStats(4, 12, chunk_tokens=33, layers=[0, 1, 2, 3])
+    stream = LS.StreamingLayerStats(4, 12, chunk_tokens=33, layers=[0, 1, 2, 3])
     stream.update(hidden[:, :100], keep[:100])
     stream.update(hidden[:, 100:], keep[100:])
     return stream.finalize(), hidden[:, keep]
@@ -236,23 +237,23 @@ def test_streaming_equals_one_shot(streamed):
 
 def test_streaming_leaves_input_untouched_and_follows_device(hidden):
     before = hidden.clone()
-    stats = M.layer_stats(hidden)
+    stats = LS.layer_stats(hidden)
     assert torch.equal(hidden, before)
     assert stats.cka.device == hidden.device and stats.cov[(0, 1)].dtype == torch.float64
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_streaming_on_cuda_matches_cpu(hidden):
-    on_cpu = M.layer_stats(hidden)
-    on_gpu = M.layer_stats(hidden.cuda())
+    on_cpu = LS.layer_stats(hidden)
+    on_gpu = LS.layer_stats(hidden.cuda())
     assert on_gpu.cka.is_cuda
     assert torch.allclose(on_gpu.cka.cpu(), on_cpu.cka, atol=1e-9)
-    assert M.aggregate_renyi2(on_gpu, torch.tensor([[0, 1]])).is_cuda
+    assert LS.aggregate_renyi2(on_gpu, torch.tensor([[0, 1]])).is_cuda
 
 
 def test_streaming_float32_matmuls_stay_close(hidden):
-    exact = M.layer_stats(hidden)
-    stream = M.StreamingLayerStats(4, 12, matmul_dtype=torch.float32, chunk_tokens=50)
+    exact = LS.layer_stats(hidden)
+    stream = LS.StreamingLayerStats(4, 12, matmul_dtype=torch.float32, chunk_tokens=50)
     stream.update(hidden)
     fast = stream.finalize()
     for name in ("entropy", "renyi2", "cka", "cka_biased"):
@@ -272,53 +273,53 @@ def test_streaming_covariance_blocks_are_centred_cross_products(streamed):
 def test_aggregate_entropy_equals_entropy_of_concatenation(streamed, layers, alpha):
     stats, kept = streamed
     direct = float(M.matrix_entropy(unit_trace_concat(kept, layers), alpha))
-    assert M.aggregate_entropy(stats, layers, alpha) == pytest.approx(direct, abs=1e-8)
+    assert LS.aggregate_entropy(stats, layers, alpha) == pytest.approx(direct, abs=1e-8)
 
 
 def test_aggregate_entropy_ignores_layer_scale(hidden):
     scaled = hidden.clone()
     scaled[0] = scaled[0] * 100
-    plain, loud = M.layer_stats(hidden), M.layer_stats(scaled)
-    assert M.aggregate_entropy(loud, [0, 3]) == pytest.approx(M.aggregate_entropy(plain, [0, 3]),
+    plain, loud = LS.layer_stats(hidden), LS.layer_stats(scaled)
+    assert LS.aggregate_entropy(loud, [0, 3]) == pytest.approx(LS.aggregate_entropy(plain, [0, 3]),
                                                              abs=1e-9)
 
 
 def test_renyi2_identity_holds_with_biased_cka(streamed):
     stats, kept = streamed
     subsets = torch.tensor([[0, 1], [1, 1], [3, 2]])
-    closed = M.aggregate_renyi2(stats, subsets)
+    closed = LS.aggregate_renyi2(stats, subsets)
     for s, subset in enumerate(subsets.tolist()):
         direct = float(M.matrix_entropy(unit_trace_concat(kept, subset), 2.0))
         assert float(closed[s]) == pytest.approx(direct, abs=1e-9)
-        assert float(closed[s]) == pytest.approx(M.aggregate_entropy(stats, subset, 2.0), abs=1e-9)
+        assert float(closed[s]) == pytest.approx(LS.aggregate_entropy(stats, subset, 2.0), abs=1e-9)
     triples = torch.tensor([[0, 1, 2], [1, 2, 3]])
-    direct = torch.tensor([M.aggregate_entropy(stats, t, 2.0) for t in triples.tolist()],
+    direct = torch.tensor([LS.aggregate_entropy(stats, t, 2.0) for t in triples.tolist()],
                           dtype=torch.float64)
-    assert torch.allclose(M.aggregate_renyi2(stats, triples), direct, atol=1e-9)
+    assert torch.allclose(LS.aggregate_renyi2(stats, triples), direct, atol=1e-9)
     # with the debiased CKA in the formula the identity breaks
-    swapped = M.LayerStats(**{**stats.__dict__, "cka_biased": stats.cka})
-    assert not torch.allclose(M.aggregate_renyi2(swapped, triples), direct, atol=1e-6)
+    swapped = LS.LayerStats(**{**stats.__dict__, "cka_biased": stats.cka})
+    assert not torch.allclose(LS.aggregate_renyi2(swapped, triples), direct, atol=1e-6)
 
 
 def test_layer_labels_map_to_rows(hidden):
-    stats = M.layer_stats(hidden[1:], layers=[5, 6, 7])
+    stats = LS.layer_stats(hidden[1:], layers=[5, 6, 7])
     assert stats.layers == (5, 6, 7) and set(stats.cov) == {(5, 5), (5, 6), (5, 7), (6, 6),
                                                             (6, 7), (7, 7)}
-    assert M.aggregate_entropy(stats, [5, 7]) == pytest.approx(
+    assert LS.aggregate_entropy(stats, [5, 7]) == pytest.approx(
         float(M.matrix_entropy(unit_trace_concat(hidden, [1, 3]))), abs=1e-8)
     with pytest.raises(ValueError, match=r"layers \[0\] not in"):
-        M.aggregate_renyi2(stats, torch.tensor([[0, 5]]))
+        LS.aggregate_renyi2(stats, torch.tensor([[0, 5]]))
 
 
 def test_to_dict_round_trip_and_without_cov(streamed):
     stats, _ = streamed
-    back = M.LayerStats.from_dict(stats.to_dict())
+    back = LS.LayerStats.from_dict(stats.to_dict())
     assert back.layers == stats.layers and back.n_seen == stats.n_seen
     assert torch.equal(back.cka, stats.cka) and torch.equal(back.cov[(0, 2)], stats.cov[(0, 2)])
     light = stats.without_cov()
     assert torch.equal(light.entropy, stats.entropy) and stats.cov  # original untouched
     with pytest.raises(ValueError, match="no covariance blocks"):
-        M.aggregate_entropy(light, [0, 1])
+        LS.aggregate_entropy(light, [0, 1])
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -424,7 +425,7 @@ def test_error_cases():
 def test_streaming_error_cases():
     hidden = torch.randn(3, 10, 4)
     hidden[2, 4, 1] = math.inf
-    stream = M.StreamingLayerStats(3, 4, layers=[0, 7, 9])
+    stream = LS.StreamingLayerStats(3, 4, layers=[0, 7, 9])
     with pytest.raises(ValueError, match="layer 9 "):
         stream.update(hidden)
     hidden[2, 4, 1], hidden[1, 0, 0] = 0.0, math.nan
@@ -434,7 +435,7 @@ def test_streaming_error_cases():
         stream.update(torch.randn(2, 10, 4))
     with pytest.raises(ValueError, match="keep must be"):
         stream.update(torch.randn(3, 10, 4), torch.ones(9, dtype=torch.bool))
-    stream = M.StreamingLayerStats(3, 4)
+    stream = LS.StreamingLayerStats(3, 4)
     stream.update(torch.randn(3, 3, 4))
     with pytest.raises(ValueError, match="only 3 tokens"):
         stream.finalize()
@@ -445,13 +446,13 @@ def test_streaming_error_cases():
 
 
 def test_accumulator_bytes_matches_the_allocated_tensors():
-    stream = M.StreamingLayerStats(5, 7, chunk_tokens=3)
+    stream = LS.StreamingLayerStats(5, 7, chunk_tokens=3)
     stream.update(torch.randn(5, 4, 7))
     allocated = sum(t.numel() * t.element_size() for t in
                     [stream._sums, stream._sq_sums, stream._sq_products, stream._sq_weighted,
                      *stream._cross.values()])
     chunk = 3 * 5 * 7 * 8  # one float64 working chunk of chunk_tokens tokens
-    assert M.StreamingLayerStats.accumulator_bytes(5, 7, chunk_tokens=3) == allocated + chunk
+    assert LS.StreamingLayerStats.accumulator_bytes(5, 7, chunk_tokens=3) == allocated + chunk
 
 
 @pytest.mark.parametrize("debiased", [False, True])

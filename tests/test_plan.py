@@ -7,7 +7,7 @@ import pytest
 from conftest import TINY, tiny_model
 
 from actwave.stats import blockstats
-from actwave.stats.metrics import StreamingLayerStats
+from actwave.stats.layerstats import StreamingLayerStats
 from actwave.profile import build, parameters
 from actwave.tools import costs, plan
 from actwave.tools.runplan import load_profile

@@ -125,7 +125,7 @@ def test_plot_helper_errors():
 
 
 def test_layer_table_from_layer_stats():
-    from actwave.stats.metrics import layer_stats
+    from actwave.stats.layerstats import layer_stats
 
     hidden = torch.randn(3, 50, 8, generator=torch.Generator().manual_seed(0))  # (L, n, d)
     stats = layer_stats(hidden)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from actwave.stats import selection, selection_report
-from actwave.stats import metrics
-from actwave.stats.metrics import LayerStats, layer_stats
+from actwave.stats import layerstats
+from actwave.stats.layerstats import LayerStats, layer_stats
 
 
 def make_stats(entropy, cka, renyi2=None) -> LayerStats:
@@ -251,7 +251,7 @@ def test_renyi2_exhaustive_is_the_true_best_concatenation():
     stats = hidden_state_stats()
     chosen = selection.select("renyi2_exhaustive", stats)
     brute = max(itertools.combinations(range(1, 8), 3),
-                key=lambda s: metrics.aggregate_entropy(stats, s, alpha=2.0))
+                key=lambda s: layerstats.aggregate_entropy(stats, s, alpha=2.0))
     assert chosen == brute
     # greedy Shannon aggregate: its pick is at least as good as every set greedy passes by
     greedy_pick = selection.select("greedy_aggregate_entropy", stats, alpha=1.0)
@@ -287,7 +287,7 @@ def test_pairwise_scores_matrix():
     matrix = selection_report.pairwise_scores(selection.renyi2_score(stats), [2, 4, 5])
     assert torch.isnan(matrix.diagonal()).all()
     assert torch.allclose(matrix, matrix.T, rtol=0, atol=0, equal_nan=True)
-    direct = metrics.aggregate_renyi2(stats, torch.tensor([[2, 5]]))[0]
+    direct = layerstats.aggregate_renyi2(stats, torch.tensor([[2, 5]]))[0]
     assert matrix[0, 2].item() == pytest.approx(direct.item(), rel=1e-12)
 
 
@@ -300,7 +300,7 @@ def test_compare_methods_scores_and_percentiles():
     assert records["dpp"]["logdet_pct"] == 100.0
     assert records["top"]["entropy_sum_pct"] == 100.0
     assert records["default"]["layers"] == (2, 6, 9)
-    direct = metrics.aggregate_renyi2(stats, torch.tensor([[2, 6, 9]]))[0].item()
+    direct = layerstats.aggregate_renyi2(stats, torch.tensor([[2, 6, 9]]))[0].item()
     assert records["default"]["renyi2"] == pytest.approx(direct, rel=1e-12)
     assert 0.0 < records["default"]["renyi2_pct"] <= 100.0
 

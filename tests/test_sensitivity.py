@@ -12,6 +12,7 @@ from test_metrics import block_cka
 
 from actwave.capture.store import CaptureStore
 from actwave.config import config_hash
+from actwave.stats import layerstats as LS
 from actwave.stats import metrics as M
 from actwave.stats import sensitivity as S
 from actwave.stats.analysis import AnalysisConfig, _cache_key, compute_layer_stats, token_keep_mask
@@ -35,7 +36,7 @@ def massive_token_states(n: int = 200, d: int = 16, seed: int = 0) -> torch.Tens
 # ----------------------------------------------------------------------------- row norm
 def test_row_normalisation_changes_nothing_at_unit_norm():
     hidden = M.unit_rows(torch.randn(3, 80, 12, generator=torch.Generator().manual_seed(1)))
-    raw, normalised = M.layer_stats(hidden), M.layer_stats(M.unit_rows(hidden))
+    raw, normalised = LS.layer_stats(hidden), LS.layer_stats(M.unit_rows(hidden))
     for name in ("entropy", "renyi2", "cka"):
         torch.testing.assert_close(getattr(normalised, name), getattr(raw, name),
                                    rtol=1e-5, atol=1e-6)
@@ -54,7 +55,7 @@ def test_row_normalize_is_applied_in_the_streaming_pass(store):
     config = AnalysisConfig(filter="quantile", filter_value=0.5, row_normalize=True)
     stats = compute_layer_stats(capture, config, progress=False)
     keep, _ = token_keep_mask(capture, config)
-    expected = M.layer_stats(M.unit_rows(columns["hidden"])[:, keep].double())
+    expected = LS.layer_stats(M.unit_rows(columns["hidden"])[:, keep].double())
     torch.testing.assert_close(stats.entropy, expected.entropy, rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(stats.cka, expected.cka, rtol=1e-6, atol=1e-8)
     raw = compute_layer_stats(capture, AnalysisConfig(filter="quantile", filter_value=0.5),
@@ -96,7 +97,7 @@ def test_top_eigen_shares_per_layer_from_stats():
                                       generator=torch.Generator().manual_seed(s))
                           for s in range(3)])
     hidden[2, :, 1] *= 30.0  # one dominant channel in the last layer
-    shares = S.top_eigen_shares(M.layer_stats(hidden))
+    shares = S.top_eigen_shares(LS.layer_stats(hidden))
     assert shares.shape == (3,)
     for layer in range(3):
         Zc = hidden[layer] - hidden[layer].mean(0)
@@ -208,7 +209,7 @@ def test_bootstrap_config_and_parse_errors():
 
 
 def test_selected_sets_add_the_default_and_refuse_unknown_methods():
-    stats = M.layer_stats(torch.randn(8, 40, 5, generator=torch.Generator().manual_seed(6)))
+    stats = LS.layer_stats(torch.randn(8, 40, 5, generator=torch.Generator().manual_seed(6)))
     config = S.selection_report.SelectionConfig()
     rows = S.selected_sets(stats, config, ["entropy_topk"])
     assert [r["label"] for r in rows] == ["entropy_topk", "eagle3_default"]

@@ -15,7 +15,7 @@ from actwave import index
 from actwave.config import config_hash
 from actwave.profile import build, parameters
 from actwave.stats import selection
-from actwave.stats.metrics import layer_stats
+from actwave.stats.layerstats import layer_stats
 from actwave.study import report, runs, stats as study_stats
 from actwave.tools.runplan import load_profile
 from conftest import tiny_model

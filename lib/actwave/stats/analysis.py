@@ -3,7 +3,7 @@
 Reads the hidden states a capture pass stored (``actwave.capture.store.CaptureStore``), decides
 which tokens to keep from the per-token columns alone (a cheap pre-pass: predictive-entropy
 filter, special tokens, loss mask, optional seeded subsample), then makes one pass over the
-shards with ``metrics.StreamingLayerStats``. The result is cached under
+shards with ``layerstats.StreamingLayerStats``. The result is cached under
 ``cache_dir()/layer_stats/<name>-<hash>/``, the hash keyed by the store's content digest
 (``CaptureStore.digest``: its shard records and model) and the ``AnalysisConfig``, so a
 recaptured store with other contents never reuses old statistics: ``stats.safetensors``
@@ -28,7 +28,8 @@ from actwave.integrity import (Between, IntegrityError, WriterLock, check_fields
                                read_record, save_config_record, verify_once,
                                write_record)
 from actwave.stats.blockstats import block_pair_layer_stats
-from actwave.stats.metrics import LayerStats, StreamingLayerStats, token_filter, unit_rows
+from actwave.stats.layerstats import LayerStats, StreamingLayerStats
+from actwave.stats.metrics import token_filter, unit_rows
 
 log = logging.getLogger(__name__)
 FILTERS = ("none", "quantile", "threshold")

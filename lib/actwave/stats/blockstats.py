@@ -1,6 +1,6 @@
 """Layer statistics whose memory does not grow as L²·d²: block-pair passes (pure math).
 
-``metrics.StreamingLayerStats`` keeps all L(L+1)/2 cross-covariance blocks Σ_ab (d × d,
+``layerstats.StreamingLayerStats`` keeps all L(L+1)/2 cross-covariance blocks Σ_ab (d × d,
 float64) at once: 75 GB for an 8B Llama (33 states × 4096). Entropies, both CKA matrices and
 the α = 2 aggregate need only scalars of those blocks (docs/METHODS.md §4, §7, §8): per layer
 the spectrum of Σ_aa, per pair ‖Σ_ab‖²_F and μ_aᵀΣ_abμ_b. ``BlockPairStats`` therefore
@@ -12,7 +12,7 @@ block is exactly the all-pairs route's block and the results agree to round-off.
 
 The result is a ``LayerStats`` without covariance blocks (``cov == {}``): entropy, renyi2,
 cka, cka_biased, n_tokens, n_seen as the all-pairs route gives them; aggregate Shannon
-entropies (``metrics.aggregate_entropy``) need the blocks and so the all-pairs route.
+entropies (``layerstats.aggregate_entropy``) need the blocks and so the all-pairs route.
 """
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from actwave.stats.metrics import (MIN_TOKENS_DEBIASED, LayerStats, _check_layers_finite,
-                                   add_moments, centred_row_norm_products, cka_from_moments,
-                                   entropy_from_cov, kept_tokens, moment_sums)
+from actwave.stats.layerstats import (LayerStats, add_moments, centred_row_norm_products,
+                                      kept_tokens, moment_sums)
+from actwave.stats.metrics import (MIN_TOKENS_DEBIASED, _check_layers_finite, cka_from_moments,
+                                   entropy_from_cov)
 
 # d × d float64 work blocks beside the accumulated ones: the float32 route's product and its
 # float64 copy, or eigvalsh's copy of a diagonal block.
@@ -74,7 +75,7 @@ class BlockPairStats:
     Use: for each pass in ``schedule``, call ``update`` on the same tokens in the same order,
     then ``end_pass``; after the last, ``finalize``. ``block_pair_layer_stats`` does this
     given a function that yields the tokens once per call. Accumulation, shift and
-    ``matmul_dtype`` are those of ``metrics.StreamingLayerStats``.
+    ``matmul_dtype`` are those of ``layerstats.StreamingLayerStats``.
     """
 
     def __init__(self, num_layers: int, dim: int, memory_budget: int,

@@ -1,6 +1,6 @@
 """Layer statistics over many processes (``accelerate launch``): sums of token shards.
 
-The streaming statistics (``metrics.StreamingLayerStats``) are sums over tokens, so W
+The streaming statistics (``layerstats.StreamingLayerStats``) are sums over tokens, so W
 processes split the store and add their sums (docs/METHODS.md §5, README "Many GPUs"):
 
 - Tokens are split by store shard (whole sequences): process r streams shards r, r+W,
@@ -28,7 +28,8 @@ from actwave.config import artifact_dir
 from actwave.integrity import IntegrityError, WriterLock
 from actwave.stats.analysis import (AnalysisConfig, _cache_key, check_memory, compute_layer_stats,
                                     load_layer_stats, save_layer_stats, token_keep_mask)
-from actwave.stats.metrics import CHUNK_TOKENS, LayerStats, StreamingLayerStats, unit_rows
+from actwave.stats.layerstats import CHUNK_TOKENS, LayerStats, StreamingLayerStats
+from actwave.stats.metrics import unit_rows
 
 
 def process_group() -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """Choosing k hidden-state layers to feed an EAGLE-3 draft (pure functions).
 
 Layer ids are indices ℓ ∈ {0..N} = number of decoder blocks applied (docs/METHODS.md §2).
-Every method works on the statistics of ``actwave.stats.metrics.LayerStats`` (per-layer matrix
+Every method works on the statistics of ``actwave.stats.layerstats.LayerStats`` (per-layer matrix
 entropy, the L×L linear-CKA matrix, the covariance blocks) and returns a sorted tuple of
 layer ids.
 
@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from actwave.integrity import int_ids
-from actwave.stats import metrics
+from actwave.stats import layerstats, metrics
 
 ScoreFn = Callable[[Tensor], Tensor]
 # Size guards: exhaustive search holds all C(n, k) subsets as int64 ids (+ a score each);
@@ -221,8 +221,8 @@ def entropy_sum_score(stats: Any) -> ScoreFn:
 
 
 def renyi2_score(stats: Any) -> ScoreFn:
-    """Rényi-2 entropy (nats) of the normalised concatenation, closed form in metrics."""
-    return lambda subsets: metrics.aggregate_renyi2(stats, subsets)
+    """Rényi-2 entropy (nats) of the normalised concatenation, closed form in layerstats."""
+    return lambda subsets: layerstats.aggregate_renyi2(stats, subsets)
 
 
 def aggregate_score(stats: Any, alpha: float = 1.0) -> ScoreFn:
@@ -234,7 +234,7 @@ def aggregate_score(stats: Any, alpha: float = 1.0) -> ScoreFn:
     if alpha == 2.0:
         return renyi2_score(stats)
     return lambda subsets: torch.tensor(
-        [float(metrics.aggregate_entropy(stats, row.tolist(), alpha=alpha)) for row in subsets],
+        [float(layerstats.aggregate_entropy(stats, row.tolist(), alpha=alpha)) for row in subsets],
         dtype=torch.float64)
 
 
@@ -446,7 +446,7 @@ def select(method: str, stats: Any, k: int = 3, candidates: Sequence[int] | None
            **options: Any) -> tuple[int, ...]:
     """Layer ids chosen by ``method`` (a key of ``METHODS``), sorted.
 
-    stats: ``metrics.LayerStats`` over layers 0..N. candidates: layer ids allowed (default
+    stats: ``layerstats.LayerStats`` over layers 0..N. candidates: layer ids allowed (default
     all but ℓ = 0; the fixed baselines eagle3_default/evenly_spaced/last_k/first_k ignore
     it). options: the method's keyword arguments (seed, alpha, lam, theta, ...).
     """

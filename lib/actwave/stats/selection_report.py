@@ -1,7 +1,7 @@
 """Reports on layer selection: compare methods, explain a set, tabulate pair and top scores.
 
 Built on the pure search and objectives of ``actwave.stats.selection`` (notebooks 03–05 call
-these); like it, pure functions on ``metrics.LayerStats`` tensors: no I/O, no printing.
+these); like it, pure functions on ``layerstats.LayerStats`` tensors: no I/O, no printing.
 ``SelectionConfig`` is the selection stage's (notebook 05) config.
 """
 from __future__ import annotations

@@ -28,7 +28,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from actwave.integrity import Between, check_fields
-from actwave.stats import metrics, selection_report
+from actwave.stats import layerstats, metrics, selection_report
 from actwave.stats.analysis import AnalysisConfig
 
 # The selection methods whose picks are compared across variants by default; the EAGLE-3
@@ -80,13 +80,13 @@ def variant_configs(quantiles: Sequence[float], normalized_quantiles: Sequence[f
     return variants
 
 
-def top_eigen_shares(stats: metrics.LayerStats) -> Tensor:
+def top_eigen_shares(stats: layerstats.LayerStats) -> Tensor:
     """``(L,)`` λ_max / Σλ of each layer's covariance block (``stats`` with covariances)."""
     return torch.tensor([metrics.top_eigen_share(stats.block(layer, layer))
                          for layer in stats.layers], dtype=torch.float64)
 
 
-def selected_sets(stats: metrics.LayerStats, config: selection_report.SelectionConfig,
+def selected_sets(stats: layerstats.LayerStats, config: selection_report.SelectionConfig,
                   methods: Sequence[str] = METHODS_STUDIED) -> list[dict]:
     """``selection_report.compare_methods`` rows of ``methods`` and ``eagle3_default`` with
     the config's options (greedy_aggregate_entropy needs ``stats`` with covariances and

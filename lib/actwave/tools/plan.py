@@ -27,7 +27,7 @@ import torch
 from actwave.config import cache_dir, repo_root
 from actwave.stats.analysis import available_bytes
 from actwave.stats.blockstats import pair_schedule, peak_bytes
-from actwave.stats.metrics import StreamingLayerStats
+from actwave.stats.layerstats import StreamingLayerStats
 from actwave.profile import build, parameters, section
 from actwave.tools.costs import (LONGRUN_FILL, RATE_SOURCES, SHAREGPT_FILL, Shape,
                                  draft_train_bytes, draft_train_flops_per_token, model_shape,
