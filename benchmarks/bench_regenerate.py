@@ -2,8 +2,12 @@
 
     .venv/bin/python benchmarks/bench_regenerate.py [--dtype bfloat16] [--device cpu]
         [--n-batched 16] [--n-single 4] [--max-new-tokens 64] [--max-prompt-len 256]
+        [--batch-sizes 16,32]
 
 Batch 1 runs before and after the batched run so drift in machine speed shows.
+``--batch-sizes`` also times the same ``--n-batched`` prompts split into batches of each
+size (a pool's ``batch_size``, ``profiles/data/pools.yaml``; bf16 batches change the greedy
+text slightly, so the size is part of a pool's key).
 """
 import argparse
 import os
@@ -26,6 +30,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--n-single", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-prompt-len", type=int, default=256)
+    parser.add_argument("--batch-sizes", default="",
+                        help="comma-separated batch sizes to time on the same prompts")
     return parser.parse_args(argv)
 
 
@@ -57,6 +63,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rates[label] = rate
         print(f"{label:16s} prompts={len(subset):3d} new_tokens={n_new:5d} "
               f"seconds={seconds:7.1f} tok/s={rate:7.1f}", flush=True)
+    for size in [int(x) for x in args.batch_sizes.split(",") if x]:
+        rate, n_new, seconds = tokens_per_second(size, prompts)
+        print(f"batch {size:<10d} prompts={len(prompts):3d} new_tokens={n_new:5d} "
+              f"seconds={seconds:7.1f} tok/s={rate:7.1f} "
+              f"({rate / rates[f'batch {args.n_batched}']:.2f}x batch {args.n_batched})", flush=True)
     print(f"prompt lengths: {sorted(len(p) for p in prompts)}")
     single = (rates["batch 1"] + rates["batch 1 (again)"]) / 2
     batched = rates[f"batch {args.n_batched}"]
