@@ -1,4 +1,5 @@
-"""Package structure: the imports between actwave's own modules form no cycle.
+"""Package structure: the imports between actwave's own modules form no cycle, and the math
+modules (stats: metrics, layerstats, blockstats, selection, selection_report) are pure.
 
 Every ``import`` statement of every module under lib/actwave counts, at module level and
 inside functions (a lazy import still ties the two modules together)."""
@@ -87,3 +88,47 @@ def test_import_graph_is_acyclic():
     assert len(graph) > 20 and any(graph.values())
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle in lib/actwave: " + " -> ".join(cycle)
+
+
+# The math modules take tensors and return tensors or floats: no I/O, no printing, so they
+# run anywhere torch does (CUDA included). Validators of plain values may come from integrity.
+PURE = ("actwave.stats.metrics", "actwave.stats.layerstats", "actwave.stats.blockstats",
+        "actwave.stats.selection", "actwave.stats.selection_report")
+PURE_IMPORTS = ("__future__", "math", "itertools", "typing", "collections.abc", "dataclasses",
+                "torch")
+VALIDATORS = {"actwave.integrity": {"int_ids", "Between", "check_fields"}}
+
+
+def impurities(module: str, path: Path) -> list[str]:
+    """What in ``module``'s file breaks purity: imports outside the allowed ones, calls of
+    print/open/input."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names
+                      if not a.name.startswith(PURE_IMPORTS) and a.name not in PURE]
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(node, module, path.name == "__init__.py")
+            names = {a.name for a in node.names}
+            pure = source.startswith(PURE_IMPORTS) or source in PURE or (
+                source == "actwave.stats" and {f"{source}.{n}" for n in names} <= set(PURE))
+            if not pure and not names <= VALIDATORS.get(source, set()):
+                found.append(f"from {source} import {', '.join(sorted(names))}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("print", "open", "input")):
+            found.append(f"{node.func.id}() at line {node.lineno}")
+    return found
+
+
+def test_math_modules_are_pure():
+    names = module_names()
+    found = {module: impurities(module, names[module]) for module in PURE}
+    assert not any(found.values()), found
+
+
+def test_impurities_are_found(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import json\nimport torch\nfrom actwave.integrity import write_record, int_ids\n"
+                      "from actwave.stats import metrics\ndef f():\n    print(1)\n")
+    assert impurities("actwave.stats.m", source) == [
+        "import json", "from actwave.integrity import int_ids, write_record", "print() at line 6"]
