@@ -50,9 +50,6 @@ def test_committed_rates_parse_and_a_missing_row_is_named(tmp_path):
         costs.read_rates(broken)
 
 
-SMOL = costs.REFERENCE
-
-
 def test_the_study_plan_predicts_the_study_s_own_measured_times():
     """Notebook 09's prediction vs the seconds in its per-reply records (a second route to the
     summary's tokens/s), and notebook 12's per-step time vs its cost table."""
@@ -63,7 +60,7 @@ def test_the_study_plan_predicts_the_study_s_own_measured_times():
     root = repo_root()
     rates = costs.read_rates(root / "results" / "benchmarks" / "summary.csv")
     profile = {**parameters(load_profile("cpu")), **parameters(load_profile("study"))}
-    predicted = plan.decode_needs(SMOL, profile, rates)[0].seconds
+    predicted = plan.decode_needs(costs.REFERENCE, profile, rates)[0].seconds
     measured = sum(json.loads(line)["seconds"]
                    for path in glob.glob(str(root / "results/study/smollm2-135m/09_decoding-*"
                                              / "prompt-*.jsonl"))
@@ -74,14 +71,14 @@ def test_the_study_plan_predicts_the_study_s_own_measured_times():
                                                    "draft_vocab_size", "ttt_steps")} == {
         key: costs.LONGRUN_REFERENCE[key] for key in ("batch_size", "max_seq_len",
                                                      "draft_vocab_size", "ttt_steps")}
-    training = plan.longrun_needs(SMOL, profile, rates)[1]
+    training = plan.longrun_needs(costs.REFERENCE, profile, rates)[1]
     with open(root / costs.LONGRUN_COSTS) as f:
         largest = max(csv.DictReader(f), key=lambda row: (int(row["budget"]), int(row["drafts"])))
     steps = cost(config.schedule())["wsd"]
     per_step = training.seconds / (int(profile["longrun_seeds"]) * plan.KEY_SETS * steps)
     assert abs(per_step / float(largest["seconds_per_step"]) - 1) < 0.25
     # a model without regenerated pools trains on ShareGPT's longer original replies
-    unpooled = costs.Shape("no-pools", *list(vars(SMOL).values())[1:])
+    unpooled = costs.Shape("no-pools", *list(vars(costs.REFERENCE).values())[1:])
     ratio = plan.longrun_needs(unpooled, profile, rates)[1].seconds / training.seconds
     assert ratio == pytest.approx(costs.SHAREGPT_FILL / costs.LONGRUN_FILL) and ratio > 1.5
 

@@ -99,18 +99,22 @@ PURE_IMPORTS = ("__future__", "math", "itertools", "typing", "collections.abc", 
 VALIDATORS = {"actwave.integrity": {"int_ids", "Between", "check_fields"}}
 
 
+def _allowed(name: str) -> bool:
+    """A stdlib/torch module of ``PURE_IMPORTS`` or one of its submodules, or a pure module."""
+    return name in PURE or any(name == root or name.startswith(root + ".") for root in PURE_IMPORTS)
+
+
 def impurities(module: str, path: Path) -> list[str]:
     """What in ``module``'s file breaks purity: imports outside the allowed ones, calls of
     print/open/input."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found += [f"import {a.name}" for a in node.names
-                      if not a.name.startswith(PURE_IMPORTS) and a.name not in PURE]
+            found += [f"import {a.name}" for a in node.names if not _allowed(a.name)]
         elif isinstance(node, ast.ImportFrom):
             source = _absolute(node, module, path.name == "__init__.py")
             names = {a.name for a in node.names}
-            pure = source.startswith(PURE_IMPORTS) or source in PURE or (
+            pure = _allowed(source) or (
                 source == "actwave.stats" and {f"{source}.{n}" for n in names} <= set(PURE))
             if not pure and not names <= VALIDATORS.get(source, set()):
                 found.append(f"from {source} import {', '.join(sorted(names))}")

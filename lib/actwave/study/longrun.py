@@ -178,7 +178,7 @@ def status(jobs: list[Job], results_dir: Path, schedule: WSDSchedule,
     per_step = [r["training"]["seconds"] / r["budget"] for r in timed]
     seconds_per_step = float(np.median(per_step)) if per_step else fallback_seconds_per_step
     score_seconds = float(np.mean([r["training"]["score_seconds"] for r in timed])
-                  if timed else fallback_score_seconds)
+                          if timed else fallback_score_seconds)
     steps = job_steps(jobs, schedule)
     missing = [j for j in jobs if j not in records]
     by_budget = {b: [sum(j.budget == b for j in records), sum(j.budget == b for j in jobs)]
