@@ -53,6 +53,8 @@ benchmarks = "mtbench,humaneval,sharegpt"
 longrun_decode_prompts = 20  # per benchmark
 max_turns = 2
 longrun_decode_new_tokens = 64
+# held-out ShareGPT's first 20 prompts reach 2,099 tokens (SmolLM2's tokenizer): 1,024 would drop 3
+longrun_decode_max_prompt_tokens = 2304
 routes = "measured"  # "stock": F.linear as shipped (actwave.decoding.linear_routes)
 acceptance_prompts = 16  # held-out ShareGPT greedy replies behind the auto shape
 
@@ -140,7 +142,8 @@ for name in model_names:
     folder = longrun.results_folder(name, results_dir)
     sets = longrun.study_sets(name, labels or None, longrun_seeds, results_dir)
     eval_config = build("eval", globals(), model=name, n_prompts=longrun_decode_prompts,
-                        max_new_tokens=longrun_decode_new_tokens, mode="chain",
+                        max_new_tokens=longrun_decode_new_tokens,
+                        max_prompt_tokens=longrun_decode_max_prompt_tokens, mode="chain",
                         depth=config.ttt_steps, peers=False)
     records, set_labels = longrun.load_records(folder), [s.label for s in sets]
     budget = max(config.budgets)
