@@ -58,7 +58,8 @@ class DraftBudget:
 
     model: str = models.DEFAULT_MODEL
     layers: str = ""               # comma-separated layer ids; "" = EAGLE-3's (2, N//2, N-3)
-    conversations: int = 3200      # the first conversations of the model's train pool
+    pool: str = "train"            # the model's train pool (profiles/data/pools.yaml)
+    conversations: int = 3200      # the first conversations of that pool
     max_seq_len: int = 320         # as the pool: prompt <= 160 tokens, reply <= 160
     steps: int = 3200              # 6,400 sequences: each seen twice
     warmup_steps: int = 32
@@ -67,6 +68,7 @@ class DraftBudget:
     lr: float = 1e-3
     draft_vocab_size: int = 16384
     lm_head_init: str = "random"   # "target": the target's output rows of the draft vocab
+    dtype: str = "float32"         # training compute: "bfloat16" autocasts (weights stay fp32)
     checkpoint_every: int = 400    # also the held-out curve's resolution
     seed: int = 0
     eval_conversations: int = 400  # held-out eval-pool conversations (+ as many train ones)
@@ -79,7 +81,7 @@ class DraftBudget:
                            batch_size=self.batch_size, max_seq_len=self.max_seq_len,
                            draft_vocab_size=self.draft_vocab_size,
                            lm_head_init=self.lm_head_init, seed=self.seed,
-                           checkpoint_every=self.checkpoint_every, dtype="float32",
+                           checkpoint_every=self.checkpoint_every, dtype=self.dtype,
                            eval_sequences=1)
 
 
@@ -93,12 +95,13 @@ def training_cost(out_dir: Path) -> dict:
 
 
 def pool_sources(budget: DraftBudget, target, tokenizer) -> dict[str, OnlineSource]:
-    """{"train", "eval"}: the model's pools, regenerated or restored (resumable, pinned chunk
-    by chunk), tokenised; the first ``conversations`` / ``eval_conversations`` of each."""
-    for split in ("eval", "train"):
-        pools.pool(budget.model, split, target, tokenizer)
+    """{"train", "eval"}: the model's pools ``budget.pool`` and ``eval``, regenerated or
+    restored (resumable, pinned chunk by chunk), tokenised; the first ``conversations`` /
+    ``eval_conversations`` of each."""
+    for name in ("eval", budget.pool):
+        pools.pool(budget.model, name, target, tokenizer)
     return text_sources(budget.model, tokenizer, budget.max_seq_len, budget.conversations,
-                        budget.eval_conversations)
+                        budget.eval_conversations, train_pool=budget.pool)
 
 
 def _first(data: TrainData, n: int) -> TrainData:
@@ -125,9 +128,9 @@ def _curve(out_dir: Path) -> list[dict]:
                  or k.startswith("acc_")} for row in csv.DictReader(handle)]
 
 
-def regeneration_cost(model: str) -> dict:
+def regeneration_cost(model: str, pool: str) -> dict:
     """Seconds and new tokens of the model's train pool (all of it, not just what is used)."""
-    folder = regenerate.output_dir(pools.pool_config(model, "train"))
+    folder = regenerate.output_dir(pools.pool_config(model, pool))
     manifest = json.loads((folder / "manifest.json").read_text())
     return {"regen_seconds": round(manifest["seconds"], 3),
             "regen_new_tokens": manifest["new_tokens"],
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> Path:
         "agreement": agreement,
         "draft": index.cache_relative(draft_dir / "draft"), "budget": asdict(budget),
         "train_config": asdict(train), "sequences": len(sources["train"]),
-        "sequence_tokens": sources["train"].n_tokens, **regeneration_cost(budget.model),
+        "sequence_tokens": sources["train"].n_tokens, **regeneration_cost(budget.model, budget.pool),
         "features": {"train": train_features.digest, "eval": eval_features.digest},
         "held_out_curve": _curve(draft_dir),
         **training_cost(draft_dir), "versions": package_versions()})

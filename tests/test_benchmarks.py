@@ -129,6 +129,10 @@ def test_bench_draft_trains_on_the_pool_and_resumes_from_the_pin(tmp_path, monke
     assert head_from_target != draft_dir  # the head's init is part of the draft's key
     record = json.loads((tmp_path / "out" / "draft.json").read_text())
     assert record["budget"]["lm_head_init"] == record["train_config"]["lm_head_init"] == "target"
+    in_bf16 = train_draft.main(argv + ["--lm-head-init", "target", "--dtype", "bfloat16"])
+    assert in_bf16 not in (draft_dir, head_from_target)  # the training dtype is keyed too
+    record = json.loads((tmp_path / "out" / "draft.json").read_text())
+    assert record["budget"]["dtype"] == record["train_config"]["dtype"] == "bfloat16"
     assert (tmp_path / "cache" / "regenerated").is_dir()
 
 

@@ -1,5 +1,6 @@
-"""Regenerated-text pools: one declaration per (model, split), refused by name otherwise."""
+"""Regenerated-text pools: one declaration per (model, pool name), refused by name otherwise."""
 import pytest
+import yaml
 
 from actwave.capture import pools
 from actwave.capture.regenerate import RegenConfig, output_dir
@@ -22,3 +23,16 @@ def test_unknown_pool_is_refused_by_name():
         pools.pool_config("gemma3-270m", "train")
     with pytest.raises(ValueError, match="no 'analysis' pool for 'smollm2-135m'"):
         pools.pool_config("smollm2-135m", "analysis")
+
+
+def test_a_named_pool_reads_its_split_and_gets_its_own_folder(tmp_path, monkeypatch):
+    fields = dict(max_prompt_len=160, max_new_tokens=160, dtype="bfloat16")
+    (tmp_path / "pools.yaml").write_text(yaml.safe_dump({"smollm2-135m": {
+        "train": {"n_conversations": 32, **fields},
+        "bench": {"split": "train", "n_conversations": 64, "batch_size": 64, **fields}}}))
+    monkeypatch.setenv("ACTWAVE_POOLS", str(tmp_path / "pools.yaml"))
+    train, bench = (pools.pool_config("smollm2-135m", name) for name in ("train", "bench"))
+    assert train.split == bench.split == "train"
+    assert output_dir(bench) != output_dir(train)  # the same prompts, regenerated apart
+    with pytest.raises(ValueError, match="no 'eval' pool for 'smollm2-135m'.*'bench', 'train'"):
+        pools.pool_config("smollm2-135m", "eval")

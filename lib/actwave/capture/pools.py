@@ -1,12 +1,12 @@
 """Pools of regenerated text (``profiles/data/pools.yaml``), shared by every stage that trains or
 scores drafts on on-policy text.
 
-A pool is one ``RegenConfig`` per (model, split), regenerated once, pinned chunk by chunk
-under ``results/regenerated/`` (``regenerate.pin``) and restored from there on another
-machine. Stages that need fewer conversations take the pool's first ones, so the study's
-long runs and the benchmark draft read the same text.
+A pool is one named ``RegenConfig`` per model (its ShareGPT split is its ``split`` field, else
+its name: ``train``, ``eval``), regenerated once, pinned chunk by chunk under
+``results/regenerated/`` (``regenerate.pin``) and restored from there on another machine.
+Stages that need fewer conversations take the pool's first ones.
 
-    python -m actwave.capture.pools --model smollm2-135m [--split train]
+    python -m actwave.capture.pools --model smollm2-135m [--pool train]
 """
 from __future__ import annotations
 
@@ -32,24 +32,25 @@ def pools_file() -> Path:
 
 
 def pool_configs() -> dict[str, dict[str, RegenConfig]]:
-    """{model: {split: RegenConfig}} as the pools file declares them."""
+    """{model: {pool name: RegenConfig}} as the pools file declares them; a pool without a
+    ``split`` field regenerates the ShareGPT split of its name."""
     path = pools_file()
     declared = yaml.safe_load(path.read_text()) or {}
-    return {model: {split: RegenConfig(model=model, split=split, **fields)
-                    for split, fields in splits.items()}
-            for model, splits in declared.items()}
+    return {model: {name: RegenConfig(model=model, **({"split": name} | fields))
+                    for name, fields in named.items()}
+            for model, named in declared.items()}
 
 
-def pool_config(model: str, split: str) -> RegenConfig:
-    """The pool of ``model``'s ``split``; a model or split without one is refused by name."""
+def pool_config(model: str, name: str) -> RegenConfig:
+    """The pool ``name`` of ``model``; a model or pool not declared is refused by name."""
     pools = pool_configs()
     if model not in pools:
         raise ValueError(f"no regenerated-text pool for model {model!r} in {pools_file()}; "
                          f"pools exist for {sorted(pools)}")
-    if split not in pools[model]:
-        raise ValueError(f"no {split!r} pool for {model!r} in {pools_file()}; it has "
+    if name not in pools[model]:
+        raise ValueError(f"no {name!r} pool for {model!r} in {pools_file()}; it has "
                          f"{sorted(pools[model])}")
-    return pools[model][split]
+    return pools[model][name]
 
 
 def pinned_dir() -> Path:
@@ -57,25 +58,25 @@ def pinned_dir() -> Path:
     return Path(os.environ.get("ACTWAVE_PINNED") or repo_root() / PINNED_DIR)
 
 
-def pool(model: str, split: str, target=None, tokenizer=None, progress: bool = True) -> Dataset:
+def pool(model: str, name: str, target=None, tokenizer=None, progress: bool = True) -> Dataset:
     """The pool's conversations: restored from the pin, regenerated where it lacks chunks
     (each new chunk pinned at once). Pass a loaded target/tokenizer to reuse them."""
-    return regenerate(pool_config(model, split), target, tokenizer, progress=progress,
+    return regenerate(pool_config(model, name), target, tokenizer, progress=progress,
                       pinned_dir=pinned_dir())
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="regenerate (or restore) text pools")
     parser.add_argument("--model", required=True, help="a model with pools in " + POOLS_FILE)
-    parser.add_argument("--split", action="append", help="only these splits (repeatable)")
+    parser.add_argument("--pool", action="append", help="only these pools (repeatable)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     # eval first: it is small, and scoring needs it before long training runs finish
-    splits = args.split or sorted(pool_configs().get(args.model, {}), key=lambda s: s != "eval")
-    if not splits:
+    names = args.pool or sorted(pool_configs().get(args.model, {}), key=lambda s: s != "eval")
+    if not names:
         pool_config(args.model, "train")  # raises, naming the models that have pools
-    for split in splits:
-        print(f"{args.model}/{split}: {len(pool(args.model, split))} conversations", flush=True)
+    for name in names:
+        print(f"{args.model}/{name}: {len(pool(args.model, name))} conversations", flush=True)
 
 
 if __name__ == "__main__":

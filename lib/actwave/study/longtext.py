@@ -63,18 +63,19 @@ def sharegpt_source(model: str, split: str, n: int, tokenizer, max_seq_len: int)
     return OnlineSource.from_sequences(sequences, f"sharegpt-{identity}", f"sharegpt:{split}")
 
 
-def text_sources(model: str, tokenizer, max_seq_len: int, n_train: int, n_eval: int
-                 ) -> dict[str, OnlineSource]:
-    """{"train", "eval"}: the model's regenerated pools (``capture.pools``; the first n of
-    each) when it has them, else ShareGPT's original replies of the same splits."""
+def text_sources(model: str, tokenizer, max_seq_len: int, n_train: int, n_eval: int,
+                 train_pool: str = "train") -> dict[str, OnlineSource]:
+    """{"train", "eval"}: the model's regenerated pools ``train_pool`` and ``eval``
+    (``capture.pools``; the first n of each) when it has them, else ShareGPT's original
+    replies of the train and eval splits."""
     from actwave.capture import pools
 
     if model not in pools.pool_configs():
         return {split: sharegpt_source(model, split, n, tokenizer, max_seq_len)
                 for split, n in (("train", n_train), ("eval", n_eval))}
     sources = {}
-    for split, n in (("train", n_train), ("eval", n_eval)):
-        source = pool_source(pools.pool_config(model, split), tokenizer, max_seq_len,
+    for split, name, n in (("train", train_pool, n_train), ("eval", "eval", n_eval)):
+        source = pool_source(pools.pool_config(model, name), tokenizer, max_seq_len,
                              pools.pinned_dir())
         sources[split] = OnlineSource(source.input_ids[:n], source.loss_mask[:n],
                                       f"{source.config_hash}-first{n}", source.path)
