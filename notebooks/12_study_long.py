@@ -34,6 +34,14 @@
 profile = "study"
 models = "smollm2-135m,gemma3-270m"
 seed = 0
+device = "cpu"
+# the analysis split behind the proxies of the key sets (notebooks 01-05 and 08: shared cache)
+capture_n_sequences = 64
+capture_max_seq_len = 512
+capture_batch_size = 4
+capture_dtype = "float32"
+filter_quantile = 0.5
+matmul_dtype = "float32"
 longrun_sets = ""  # "": the pre-registered key sets; "all"; or comma-separated labels of notebook 08
 longrun_seeds = 3
 # the budgets and their schedule (LongRunConfig)
@@ -63,9 +71,10 @@ import pandas as pd
 
 from actwave import plots
 from actwave.capture import models as model_zoo
+from actwave.capture.store import analysis_captures
 from actwave.notebook import notebook_setup
-from actwave.profile import build
-from actwave.study import longrun, report
+from actwave.profile import build, section
+from actwave.study import longrun, report, runs
 
 NOTEBOOK, model_names, results_dir, _ = notebook_setup("12_study_long", profile, models)
 labels = longrun_sets if longrun_sets in ("", "all") else longrun_sets.split(",")
@@ -121,6 +130,33 @@ if tables:
     plots.save_table(stability, f"{NOTEBOOK}_rank_stability", NOTEBOOK, results_dir,
                      sort_by=["model", "seeds", "comparison", "train_steps"])
     stability
+
+# %% [markdown]
+# ## What the proxies predict as drafts learn
+# Every selection score of notebook 08 (`runs.set_proxies`: Rényi-2 and Shannon aggregate
+# entropy, log-det, entropy sum, CKA dispersion; all tokens and entropy-filtered) of each key
+# set, from the analysis split's layer statistics, against the sets' seed-mean τ̂ at each
+# budget: Spearman and Kendall with permutation p (`report.long_proxy_correlations`). Six
+# sets: only |ρ| ≥ 0.89 reaches p < 0.05.
+
+# %%
+settings = dict(zip(runs.SETTINGS, build("analysis", globals()).values()))
+captures = analysis_captures(list(tables), **section(globals(), "capture"), seed=seed)
+proxy_tables = []
+for name in tables:
+    target, tokenizer = model_zoo.load(name, dtype=model_zoo.DTYPES[capture_dtype], device=device)
+    stats = runs.analysis_stats(captures[name], settings, target, tokenizer, device)
+    sets = longrun.study_sets(name, labels or None, longrun_seeds, results_dir)
+    proxies = pd.DataFrame([{"label": s.label, **runs.set_proxies(stats, s.layer_ids)}
+                            for s in sets])
+    del stats, target  # the covariance blocks: ~1 GB per token set
+    proxy_tables.append(report.long_proxy_correlations(
+        tables[name]["sets"], proxies, n_permutations, seed).assign(model=model_zoo.slug(name)))
+if proxy_tables:
+    proxy_correlations = pd.concat(proxy_tables, ignore_index=True)
+    plots.save_table(proxy_correlations, f"{NOTEBOOK}_proxy_correlations", NOTEBOOK, results_dir,
+                     sort_by=["model", "token_set", "proxy", "budget"])
+    proxy_correlations
 
 # %% [markdown]
 # ## Decoding check: the trained drafts at the largest budget

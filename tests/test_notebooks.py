@@ -106,3 +106,5 @@ def test_study_notebooks_run_on_a_tiny_model_folder(smollm2, smoke_env, tmp_path
     assert (results / "09_offline_vs_decoding.csv").exists()
     walk = pd.read_csv(results / "12_study_long_walk_check_tiny-study.csv")  # the long runs' drafts decoded
     assert len(walk) and (walk["equal"] == walk["records"]).all()
+    proxies = pd.read_csv(results / "12_study_long_proxy_correlations.csv")
+    assert set(proxies["budget"]) == {2, 4} and (proxies["model"] == "tiny-study").all()

@@ -328,6 +328,21 @@ def test_summary_and_correlations_over_sets():
     assert report.noise_floor(summary) > 0
 
 
+def test_long_proxy_correlations_rank_each_budget_s_seed_means():
+    rng = np.random.default_rng(3)
+    labels = [f"s{i}" for i in range(6)]
+    proxies = pd.DataFrame([{"label": label, **{f"{p}_{s}": float(rng.normal()) for p in runs.PROXIES
+                                               for s in runs.SETTINGS}} for label in labels])
+    curves = pd.DataFrame([{"budget": budget, "label": label, "tau_hat": float(rng.normal())}
+                           for budget in (64, 2048) for label in labels + ["not_scored"]])
+    table = report.long_proxy_correlations(curves, proxies, n_permutations=200)
+    assert len(table) == 2 * len(runs.PROXIES) * len(runs.SETTINGS) and (table["n"] == 6).all()
+    row = table[(table.budget == 2048) & (table.proxy == "logdet") & (table.token_set == "filtered")]
+    at_2048 = curves[curves.budget == 2048].merge(proxies, on="label")  # the proxy-less set drops
+    expected = scipy_stats.spearmanr(at_2048["logdet_filtered"], at_2048["tau_hat"])[0]
+    assert row["spearman"].item() == pytest.approx(expected)
+
+
 def test_study_stores_index_reads_notebook_08s_first_layout_and_names_it(tmp_path):
     assert index.read_whole_index(tmp_path, index.STUDY_STORES) == {}
     # notebook 08's first layout, {model: {split: folder}}, as committed in results/study

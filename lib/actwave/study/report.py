@@ -248,6 +248,25 @@ def long_tables(records: list[dict], n_bootstrap: int = 2000, n_permutations: in
             "steps": step_table(records)}
 
 
+def long_proxy_correlations(curves: pd.DataFrame, proxies: pd.DataFrame,
+                            n_permutations: int = 10000, seed: int = 0) -> pd.DataFrame:
+    """What the selection scores predict as drafts learn: per budget, Spearman / Kendall
+    (permutation p) of every proxy on both token sets with the sets' seed-mean τ̂.
+
+    curves: ``long_tables(...)["sets"]`` (budget, label, tau_hat); proxies: one row per label
+    with ``<proxy>_<token_set>`` columns (``runs.set_proxies`` of each set's layers).
+    """
+    rows = []
+    for budget, part in curves.groupby("budget", sort=True):
+        joined = part.merge(proxies, on="label")
+        for token_set in SETTINGS:
+            for proxy in PROXIES:
+                stats = study_stats.rank_correlation(joined[f"{proxy}_{token_set}"],
+                                                     joined["tau_hat"], n_permutations, seed)
+                rows.append({"budget": budget, "proxy": proxy, "token_set": token_set, **stats})
+    return pd.DataFrame(rows)
+
+
 def rank_table(records: list[dict], n_permutations: int, seed: int) -> pd.DataFrame:
     """Rank stability of ``records`` between successive budgets and each budget vs the
     largest (``study_stats``: budgets missing a (set, seed) are left out). Run on seed 0

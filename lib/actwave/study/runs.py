@@ -294,6 +294,17 @@ def draft_order(sets: list[StudySet]) -> list[tuple[StudySet, int]]:
     return first + [(s, i) for s in sets for i in range(1, s.seeds)]
 
 
+def analysis_stats(analysis_capture: CaptureConfig, settings: dict, model, tokenizer,
+                   device: str = "cpu") -> dict:
+    """{token set: LayerStats} of the analysis split (the capture notebooks 01-05 cache),
+    with covariance blocks: what every proxy of ``set_proxies`` reads (~1 GB per token set)."""
+    from actwave.stats import analysis
+
+    store = run_capture(analysis_capture, model, tokenizer, device=device)
+    return {name: analysis.compute_layer_stats(store, settings[name], device=device)
+            for name in SETTINGS}
+
+
 def prepare(config: StudyConfig, analysis_capture: CaptureConfig, settings: dict,
             device: str = "cpu", pinned_dir: Path | None = None) -> dict:
     """One model's inputs: the target, the layer statistics of the analysis split per token
@@ -304,13 +315,10 @@ def prepare(config: StudyConfig, analysis_capture: CaptureConfig, settings: dict
     """
     from actwave.capture import models as model_zoo
     from actwave.capture.models import DTYPES
-    from actwave.stats import analysis
 
     model, tokenizer = model_zoo.load(config.model, dtype=DTYPES[config.capture.dtype],
                                       device=device)
-    analysis_store = run_capture(analysis_capture, model, tokenizer, device=device)
-    stats = {name: analysis.compute_layer_stats(analysis_store, settings[name], device=device)
-             for name in SETTINGS}
+    stats = analysis_stats(analysis_capture, settings, model, tokenizer, device)
     sets = study_sets(stats, model_zoo.num_layers(model), config)
     table = [{"label": s.label, "layer_ids": s.layer_ids, "kind": s.kind, "seeds": s.seeds,
               "aliases": ",".join(s.aliases), **set_proxies(stats, s.layer_ids)} for s in sets]
