@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> Path:
         "agreement": agreement,
         "draft": index.cache_relative(draft_dir / "draft"), "budget": asdict(budget),
         "train_config": asdict(train), "sequences": len(sources["train"]),
-        "sequence_tokens": sources["train"].n_tokens, **regeneration_cost(budget.model, budget.pool),
+        "sequence_tokens": sources["train"].n_tokens,
+        **regeneration_cost(budget.model, budget.pool),
         "features": {"train": train_features.digest, "eval": eval_features.digest},
         "held_out_curve": _curve(draft_dir),
         **training_cost(draft_dir), "versions": package_versions()})

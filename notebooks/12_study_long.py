@@ -144,12 +144,8 @@ settings = dict(zip(runs.SETTINGS, build("analysis", globals()).values()))
 captures = analysis_captures(list(tables), **section(globals(), "capture"), seed=seed)
 proxy_tables = []
 for name in tables:
-    target, tokenizer = model_zoo.load(name, dtype=model_zoo.DTYPES[capture_dtype], device=device)
-    stats = runs.analysis_stats(captures[name], settings, target, tokenizer, device)
     sets = longrun.study_sets(name, labels or None, longrun_seeds, results_dir)
-    proxies = pd.DataFrame([{"label": s.label, **runs.set_proxies(stats, s.layer_ids)}
-                            for s in sets])
-    del stats, target  # the covariance blocks: ~1 GB per token set
+    proxies = pd.DataFrame(runs.proxies_of(sets, captures[name], settings, device))
     proxy_tables.append(report.long_proxy_correlations(
         tables[name]["sets"], proxies, n_permutations, seed).assign(model=model_zoo.slug(name)))
 if proxy_tables:

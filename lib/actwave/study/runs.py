@@ -305,6 +305,19 @@ def analysis_stats(analysis_capture: CaptureConfig, settings: dict, model, token
             for name in SETTINGS}
 
 
+def proxies_of(sets, analysis_capture: CaptureConfig, settings: dict,
+               device: str = "cpu") -> list[dict]:
+    """{"label", ``<proxy>_<token set>``...} of each set (``set_proxies``), scored on the
+    analysis split's layer statistics of ``analysis_capture.model`` (loaded in the capture's
+    dtype; the capture comes from the shared cache when notebooks 01-05 or 08 made it)."""
+    from actwave.capture import models as model_zoo
+
+    model, tokenizer = model_zoo.load(analysis_capture.model,
+                                      dtype=model_zoo.DTYPES[analysis_capture.dtype], device=device)
+    stats = analysis_stats(analysis_capture, settings, model, tokenizer, device)
+    return [{"label": s.label, **set_proxies(stats, s.layer_ids)} for s in sets]
+
+
 def prepare(config: StudyConfig, analysis_capture: CaptureConfig, settings: dict,
             device: str = "cpu", pinned_dir: Path | None = None) -> dict:
     """One model's inputs: the target, the layer statistics of the analysis split per token
