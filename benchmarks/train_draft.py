@@ -1,23 +1,24 @@
-"""The benchmark's draft: one EAGLE-3 draft trained with about an hour of this CPU.
+"""The benchmark's draft: one EAGLE-3 draft trained with a few hours of this CPU.
 
 The study's 1× drafts get 64 steps on 128 conversations, and their learning curves are still
 rising there; a draft that is meant to *pay* in decoding gets the larger budget this script
 spends, on the EAGLE-3 recipe: ShareGPT ``train``-split prompts whose replies the target
 regenerated greedily (on-policy text), trained on the target's features computed once
-(``actwave.eagle3.features``: the draft's layers and the target's argmax; the folder the
-study's long runs compute holds them, and is reused when present). The text is the model's
-pool (``profiles/data/pools.yaml``, shared with the long runs): more fresh conversations
-rather than more epochs over few.
+(``actwave.eagle3.features``: the draft's layers and the target's argmax; a folder with them,
+e.g. the study long runs', is reused when present). The text is the model's ``bench`` pool
+(``profiles/data/pools.yaml``: nearly every ``train``-split conversation whose prompt fits, a
+superset of the long runs' ``train`` pool's prompts): more fresh conversations rather than more
+epochs over few.
 
 Steps, each resumable (re-running the same command continues where it stopped):
-1. regenerate the train and eval pools, or restore them from ``results/regenerated/`` (each
+1. regenerate the ``--pool`` and eval pools, or restore them from ``results/regenerated/`` (each
    chunk pinned there as it is written, so another machine regenerates only what is missing);
 2. compute the target's features of both pools (``cache_dir()/features/<model>``), unless a
    folder with these layers is there;
 3. train the draft into the draft cache, ``cache_dir()/drafts/<model>-L<layers>-s<seed>-<hash>/``
    (``actwave.index.draft_dir``; the hash keys the training config and the features'
    digest; checkpoints every ``--checkpoint-every`` steps) on the first ``--conversations``
-   of the train pool;
+   of that pool;
 4. measure the draft's per-TTT-step top-1 agreement with the target on
    ``--eval-conversations`` training sequences and as many held-out eval-pool ones:
    overfitting shows as a gap;
@@ -27,7 +28,7 @@ Steps, each resumable (re-running the same command continues where it stopped):
 
 ``./reproduce.sh bench`` runs this, then ``benchmarks/run_all.py`` (which uses this draft).
 
-    .venv/bin/python benchmarks/train_draft.py [--conversations 3200 --steps 3200 --lm-head-init target]
+    .venv/bin/python benchmarks/train_draft.py [--pool train --conversations 3200 --steps 3200]
 """
 from __future__ import annotations
 
@@ -58,18 +59,19 @@ class DraftBudget:
 
     model: str = models.DEFAULT_MODEL
     layers: str = ""               # comma-separated layer ids; "" = EAGLE-3's (2, N//2, N-3)
-    pool: str = "train"            # the model's train pool (profiles/data/pools.yaml)
-    conversations: int = 3200      # the first conversations of that pool
+    pool: str = "bench"            # a pool of the model's (profiles/data/pools.yaml)
+    conversations: int = 9216      # the first conversations of that pool
     max_seq_len: int = 320         # as the pool: prompt <= 160 tokens, reply <= 160
-    steps: int = 3200              # 6,400 sequences: each seen twice
+    steps: int = 9216              # 18,432 sequences: each seen twice
     warmup_steps: int = 32
     batch_size: int = 2
     ttt_steps: int = 3
     lr: float = 1e-3
     draft_vocab_size: int = 16384
-    lm_head_init: str = "random"   # "target": the target's output rows of the draft vocab
+    lm_head_init: str = "target"   # the target's output rows of the draft vocab (+0.02 step-0
+                                   # agreement at 800 steps; docs/BENCHMARKS.md), or "random"
     dtype: str = "float32"         # training compute: "bfloat16" autocasts (weights stay fp32)
-    checkpoint_every: int = 400    # also the held-out curve's resolution
+    checkpoint_every: int = 768    # also the held-out curve's resolution
     seed: int = 0
     eval_conversations: int = 400  # held-out eval-pool conversations (+ as many train ones)
 
@@ -129,7 +131,7 @@ def _curve(out_dir: Path) -> list[dict]:
 
 
 def regeneration_cost(model: str, pool: str) -> dict:
-    """Seconds and new tokens of the model's train pool (all of it, not just what is used)."""
+    """Seconds and new tokens of the model's ``pool`` (all of it, not just what is used)."""
     folder = regenerate.output_dir(pools.pool_config(model, pool))
     manifest = json.loads((folder / "manifest.json").read_text())
     return {"regen_seconds": round(manifest["seconds"], 3),

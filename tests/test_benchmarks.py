@@ -99,7 +99,7 @@ def test_bench_draft_trains_on_the_pool_and_resumes_from_the_pin(tmp_path, monke
     pool = dict(max_prompt_len=56, max_new_tokens=8, batch_size=2, dtype="float32",
                 batches_per_chunk=1)
     (tmp_path / "pools.yaml").write_text(yaml.safe_dump(
-        {str(folder): {"train": {"n_conversations": 3, **pool},
+        {str(folder): {"bench": {"split": "train", "n_conversations": 3, **pool},
                        "eval": {"n_conversations": 2, **pool}}}))
     monkeypatch.setenv("ACTWAVE_POOLS", str(tmp_path / "pools.yaml"))
     monkeypatch.setenv("ACTWAVE_PINNED", str(tmp_path / "pinned"))
@@ -120,17 +120,18 @@ def test_bench_draft_trains_on_the_pool_and_resumes_from_the_pin(tmp_path, monke
         assert agreement["n_sequences"] == 2 and all(0 <= agreement[f"acc_{i}"] <= 1 for i in range(3))
     assert [row["step"] for row in record["held_out_curve"]] == [2, 3]  # every checkpoint
     pinned = list((tmp_path / "pinned").glob("*/manifest.json"))
-    assert len(pinned) == 2  # the train pool's replies and the held-out eval pool's
+    assert len(pinned) == 2  # the bench pool's replies and the held-out eval pool's
     history = (draft_dir / "history.csv").read_text()
     shutil.rmtree(tmp_path / "cache" / "regenerated")
     assert train_draft.main(argv) == draft_dir
     assert (draft_dir / "history.csv").read_text() == history
-    head_from_target = train_draft.main(argv + ["--lm-head-init", "target"])
-    assert head_from_target != draft_dir  # the head's init is part of the draft's key
-    record = json.loads((tmp_path / "out" / "draft.json").read_text())
     assert record["budget"]["lm_head_init"] == record["train_config"]["lm_head_init"] == "target"
-    in_bf16 = train_draft.main(argv + ["--lm-head-init", "target", "--dtype", "bfloat16"])
-    assert in_bf16 not in (draft_dir, head_from_target)  # the training dtype is keyed too
+    head_random = train_draft.main(argv + ["--lm-head-init", "random"])
+    assert head_random != draft_dir  # the head's init is part of the draft's key
+    record = json.loads((tmp_path / "out" / "draft.json").read_text())
+    assert record["budget"]["lm_head_init"] == record["train_config"]["lm_head_init"] == "random"
+    in_bf16 = train_draft.main(argv + ["--dtype", "bfloat16"])
+    assert in_bf16 not in (draft_dir, head_random)  # the training dtype is keyed too
     record = json.loads((tmp_path / "out" / "draft.json").read_text())
     assert record["budget"]["dtype"] == record["train_config"]["dtype"] == "bfloat16"
     assert (tmp_path / "cache" / "regenerated").is_dir()

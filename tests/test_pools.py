@@ -11,8 +11,10 @@ def test_declared_pools_are_valid_configs_with_pinned_folder_names():
     assert "smollm2-135m" in declared and "gemma3-270m" not in declared
     for model, splits in declared.items():
         assert {"train", "eval"} <= set(splits)
-        for split, config in splits.items():
-            assert isinstance(config, RegenConfig) and (config.model, config.split) == (model, split)
+        for name, config in splits.items():
+            assert isinstance(config, RegenConfig) and config.model == model
+            # only the eval pool reads the eval split: drafts never train on held-out prompts
+            assert (config.split == "eval") == (name == "eval"), (name, config.split)
     train = pools.pool_config("smollm2-135m", "train")
     assert train.n_conversations >= 3000  # long runs see each sequence at most ~2 times
     assert output_dir(train).name.startswith("smollm2-135m-train-")
