@@ -4,8 +4,8 @@ The study's 1× drafts get 64 steps on 128 conversations, and their learning cur
 rising there; a draft that is meant to *pay* in decoding gets the larger budget this script
 spends, on the EAGLE-3 recipe: ShareGPT ``train``-split prompts whose replies the target
 regenerated greedily (on-policy text), trained on the target's features computed once
-(``actwave.eagle3.features``: the draft's layers and the target's argmax; a folder with them,
-e.g. the study long runs', is reused when present). The text is the model's ``bench`` pool
+(``actwave.eagle3.features``: the draft's layers and the target's argmax; a folder with them
+is reused when present, e.g. the study long runs' with ``--pool train``). The text is the model's ``bench`` pool
 (``profiles/data/pools.yaml``: nearly every ``train``-split conversation whose prompt fits, a
 superset of the long runs' ``train`` pool's prompts): more fresh conversations rather than more
 epochs over few.
