@@ -139,6 +139,29 @@ def test_packed_gqa_attention_equals_repeated_heads():
     torch.testing.assert_close(out, reference.transpose(1, 2))
 
 
+def test_packed_mask_is_made_once_per_mask_and_never_reused_for_another():
+    """Layers of one forward share the mask object: one repeat serves them all; a new mask
+    (a later round, the same shape) gets its own repeat, not the stale one."""
+    class Module:
+        num_key_value_groups = 3
+    query = torch.randn(1, 6, 2, 8)
+    key, value = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    outputs = []
+    for blocked in (1, 2):  # two masks of one shape, each blocking a different cached key
+        allowed = torch.ones(2, 4, dtype=torch.bool)
+        allowed[:, blocked] = False
+        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
+        first, _ = packed_gqa_attention(Module(), query, key, value, mask, scaling=0.3)
+        again, _ = packed_gqa_attention(Module(), query, key, value, mask, scaling=0.3)
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), attn_mask=mask,
+            scale=0.3).transpose(1, 2)
+        torch.testing.assert_close(first, reference)
+        assert torch.equal(first, again)
+        outputs.append(first)
+    assert not torch.allclose(outputs[0], outputs[1])
+
+
 @pytest.mark.parametrize("mode,swap_every", [("chain", 0), ("tree", 0), ("tree", 3)])
 def test_oracle_draft_long_acceptance_matches_greedy(target, mode, swap_every):
     ids = prompt(seed=4)
@@ -211,6 +234,17 @@ def test_keep_cache_rows_gathers_accepted_rows_in_order():
     keep_cache_rows(cache, 3, torch.tensor([0, 2, 4]))
     assert cache.layers[0].keys.flatten().tolist() == [0, 1, 2, 3, 5, 7]
     assert cache.layers[0].values.flatten().tolist() == [0, -1, -2, -3, -5, -7]
+
+
+def test_keep_cache_rows_of_a_chain_prefix_only_slices():
+    cache = DynamicCache()
+    keys = torch.arange(8.0).view(1, 1, 8, 1)
+    cache.update(keys, -keys, 0)
+    before = cache.layers[0].keys
+    keep_cache_rows(cache, 3, torch.tensor([0, 1, 2]))
+    assert cache.layers[0].keys.flatten().tolist() == [0, 1, 2, 3, 4, 5]
+    assert cache.layers[0].keys.data_ptr() == before.data_ptr()  # a view: nothing was copied
+    assert keys.flatten().tolist() == list(range(8))  # rows past the kept ones untouched
 
 
 def test_sliding_window_tree_mask():
