@@ -12,7 +12,8 @@ fastest GEMM formulation per row count on this machine) unless ``--linear-routes
    bookkeeping) beside a bare HF forward over the same n tokens (the floor) and beside
    the same verification with HF's repeat_kv attention (the route before packed GQA);
    one draft tree level per width; the draft's catch-up pass.
-2. Real rounds: ``speculative.generate`` (chain depth 4; trees 4/4/16 and 6/8/32) on
+2. Real rounds: ``speculative.generate`` (chain depth 4; trees 1/2/3 — the auto shape on
+   the 2-core Xeon — 4/4/16 and 6/8/32) on
    MT-bench first turns; the mean seconds per round of each section (catch-up, tree
    drafting, verification forward, acceptance + bookkeeping), in greedy steps measured
    in the same run by ``greedy_generate``.
@@ -40,6 +41,7 @@ from actwave.eagle3 import Eagle3Draft
 from actwave.stats.selection import eagle3_default
 
 SETTINGS = {"chain d4": TreeShape("chain", depth=4),
+            "tree 1/2/3": TreeShape("tree", depth=1, top_k=2, total_tokens=3),  # auto's pick here
             "tree 4/4/16": TreeShape("tree", depth=4, top_k=4, total_tokens=16),
             "tree 6/8/32": TreeShape("tree", depth=6, top_k=8, total_tokens=32)}
 
