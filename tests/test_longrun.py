@@ -3,6 +3,8 @@ planner, rank stability and Holm-adjusted comparisons."""
 import json
 import math
 import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -213,6 +215,31 @@ def test_deadline_stops_new_jobs_but_keeps_finished_records(tmp_path):
     passed = longrun.run_jobs(jobs, run, progress=False, deadline=time.monotonic() - 1)
     assert [r["key"] for r in passed] == [r["key"] for r in first]  # read, none started
     assert not longrun.record_path(run.results_dir, jobs[1]).exists()
+
+
+def test_workers_skip_a_trunk_another_process_holds(tmp_path):
+    """Two workers on one job list: a job whose (set, seed) trunk a live process has claimed
+    is skipped, not trained twice; once that process is gone, a rerun takes it."""
+    target = tiny_model("llama")
+    config = _config()
+    jobs = longrun.plan(SETS, config.budgets)
+    run = _run(tmp_path, target)
+    held = [j for j in jobs if j.label == "eagle3_default"]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from actwave.integrity import WriterLock; "
+         "WriterLock(sys.argv[1]).__enter__(); print('held', flush=True); time.sleep(120)",
+         str(longrun.claim(run, held[0]).path.parent)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        records = longrun.run_jobs(jobs, run, progress=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert {r["label"] for r in records} == {"renyi2_exhaustive@filtered"}
+    assert not any(longrun.record_path(run.results_dir, j).exists() for j in held)
+    rerun = longrun.run_jobs(jobs, run, progress=False)
+    assert [r["budget"] for r in rerun if r["label"] == "eagle3_default"] == \
+        [j.budget for j in held]
 
 
 def test_plan_finishes_whole_budgets_first_and_status_estimates(tmp_path):
