@@ -146,20 +146,29 @@ def test_packed_mask_is_made_once_per_mask_and_never_reused_for_another():
         num_key_value_groups = 3
     query = torch.randn(1, 6, 2, 8)
     key, value = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
-    outputs = []
-    for blocked in (1, 2):  # two masks of one shape, each blocking a different cached key
+    def mask_blocking(column):
         allowed = torch.ones(2, 4, dtype=torch.bool)
-        allowed[:, blocked] = False
-        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
-        first, _ = packed_gqa_attention(Module(), query, key, value, mask, scaling=0.3)
-        again, _ = packed_gqa_attention(Module(), query, key, value, mask, scaling=0.3)
-        reference = torch.nn.functional.scaled_dot_product_attention(
+        allowed[:, column] = False
+        return torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
+
+    def reference(mask):
+        return torch.nn.functional.scaled_dot_product_attention(
             query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), attn_mask=mask,
             scale=0.3).transpose(1, 2)
-        torch.testing.assert_close(first, reference)
+
+    outputs = []
+    for blocked in (1, 2):  # two masks of one shape in turn, each blocking another cached key
+        mask = mask_blocking(blocked)
+        first, _ = packed_gqa_attention(Module(), query, key, value, mask, scaling=0.3)
+        again, _ = packed_gqa_attention(Module(), query, key, value, mask, scaling=0.3)
+        torch.testing.assert_close(first, reference(mask))
         assert torch.equal(first, again)
         outputs.append(first)
     assert not torch.allclose(outputs[0], outputs[1])
+    sliding, full = mask_blocking(0), mask_blocking(3)  # two live masks alternating (Gemma-3)
+    for mask in (sliding, full, sliding, full):
+        out, _ = packed_gqa_attention(Module(), query, key, value, mask, scaling=0.3)
+        torch.testing.assert_close(out, reference(mask))
 
 
 @pytest.mark.parametrize("mode,swap_every", [("chain", 0), ("tree", 0), ("tree", 3)])

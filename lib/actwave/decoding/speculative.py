@@ -141,23 +141,26 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
 
 AttentionInterface.register(PACKED_ATTENTION, packed_gqa_attention)
 
-_last_packed_mask: list = []  # [(weakref to the mask, groups, length, packed mask)]
+_packed_masks: dict = {}  # (id(mask), groups, length) -> (weakref to the mask, packed mask)
 
 
 def _packed_mask(attention_mask: torch.Tensor, groups: int, length: int) -> torch.Tensor:
     """The mask (1|B, 1, q, S) sliced to ``length`` keys and repeated per packed head.
 
-    Every layer of one forward receives the same mask object, so the repeat is made once and
-    reused (measured: the per-layer repeat cost ~1.5 ms of a ~40 ms SmolLM2 verification on 2
-    CPU cores). The weak reference makes a hit require that very tensor still be alive: a new
-    mask never inherits an old one's entry.
+    Every layer of one forward receives the same mask object (one per attention type:
+    Gemma-3 alternates a sliding-window and a full one), so each repeat is made once and
+    reused (measured: the per-layer repeat cost ~1.5 ms of a ~40 ms SmolLM2 verification on
+    2 CPU cores). The weak reference makes a hit require that very tensor still be alive: a
+    new mask never inherits a dead one's entry, even at a reused id.
     """
-    if _last_packed_mask:
-        ref, cached_groups, cached_length, packed = _last_packed_mask[0]
-        if ref() is attention_mask and (cached_groups, cached_length) == (groups, length):
-            return packed
+    key = (id(attention_mask), groups, length)
+    hit = _packed_masks.get(key)
+    if hit is not None and hit[0]() is attention_mask:
+        return hit[1]
+    if len(_packed_masks) >= 4:  # the masks of past forwards
+        _packed_masks.clear()
     packed = attention_mask[:, :, :, :length].repeat(1, 1, groups, 1)
-    _last_packed_mask[:] = [(weakref.ref(attention_mask), groups, length, packed)]
+    _packed_masks[key] = (weakref.ref(attention_mask), packed)
     return packed
 
 
