@@ -1,5 +1,7 @@
 """Shared fixtures: tiny random-weight models of several architectures, offline settings."""
+import multiprocessing
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -14,6 +16,37 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llam
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+FORK = multiprocessing.get_context("fork")  # children inherit the tiny models: no re-import
+
+
+def _single_threaded(function, *args):
+    # A forked child that enters the parent's OpenMP pool hangs (libgomp): one thread.
+    torch.set_num_threads(1)
+    function(*args)
+
+
+def forked(function, *args):
+    """A forked process that runs ``function(*args)`` (started)."""
+    process = FORK.Process(target=_single_threaded, args=(function, *args))
+    process.start()
+    return process
+
+
+def hold_lock(folder, seconds):
+    """Hold ``folder``'s WriterLock for ``seconds`` (run it in ``forked``)."""
+    from actwave.integrity import WriterLock
+
+    with WriterLock(folder):
+        time.sleep(seconds)
+
+
+def wait_for_lock_record(path):
+    """Wait until the lock file ``path`` names its holder (the lock is taken first and its
+    record written right after)."""
+    while not path.exists() or not path.read_text():
+        time.sleep(0.05)
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides):

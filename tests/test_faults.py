@@ -7,7 +7,6 @@ cached: the outcomes are the table of docs/FAULTS.md.
 import errno
 import json
 import math
-import multiprocessing
 import os
 import shutil
 import signal
@@ -16,7 +15,7 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import FORK, forked, hold_lock, tiny_model, wait_for_lock_record
 from safetensors.torch import load_file, save
 
 from actwave.capture import store
@@ -27,7 +26,6 @@ from actwave.eagle3 import train as train_mod
 from actwave.integrity import IntegrityError, LockedError, WriterLock, bytes_record
 from actwave.stats import analysis
 
-FORK = multiprocessing.get_context("fork")  # children inherit the tiny models: no re-import
 # The draft vocabulary is the whole target vocabulary: the random target's argmax tokens are
 # not among the few reply tokens, and the loss counts only argmaxes the draft can propose, so
 # a smaller one gives loss 0 at every step and weights that never change.
@@ -93,22 +91,9 @@ def _count_writes(monkeypatch, kill_after=None):
     return calls
 
 
-def _single_threaded(function, *args):
-    # A forked child that enters the parent's OpenMP pool hangs (libgomp): one thread.
-    torch.set_num_threads(1)
-    function(*args)
-
-
-def _child(function, *args):
-    """A forked process that runs ``function(*args)`` (started)."""
-    process = FORK.Process(target=_single_threaded, args=(function, *args))
-    process.start()
-    return process
-
-
 def _in_child(function, *args):
     """Run ``function(*args)`` in a forked process; -> its exit code."""
-    process = _child(function, *args)
+    process = forked(function, *args)
     process.join(120)
     if process.exitcode is None:
         process.kill()
@@ -316,7 +301,7 @@ def _capture_counted(config, target, tokenizer, log_path):
 
 def test_two_concurrent_capture_writers(target, tokenizer, reference, tmp_path):
     config = _config(305)
-    processes = [_child(_capture_counted, config, target, tokenizer, tmp_path / f"writer{i}")
+    processes = [forked(_capture_counted, config, target, tokenizer, tmp_path / f"writer{i}")
                  for i in range(2)]
     for process in processes:
         process.join(120)
@@ -330,20 +315,9 @@ def test_two_concurrent_capture_writers(target, tokenizer, reference, tmp_path):
         "shard-00002.safetensors"]
 
 
-def _hold_lock(folder, seconds):
-    with WriterLock(folder):
-        time.sleep(seconds)
-
-
-def _wait_for_record(path):
-    # the lock is taken first and its record written right after: wait until it names its holder
-    while not path.exists() or not path.read_text():
-        time.sleep(0.05)
-
-
 def test_a_live_holder_is_named_and_a_dead_one_releases_the_lock(tmp_path):
-    holder = _child(_hold_lock, tmp_path, 30.0)
-    _wait_for_record(tmp_path / ".lock")
+    holder = forked(hold_lock, tmp_path, 30.0)
+    wait_for_lock_record(tmp_path / ".lock")
     with pytest.raises(LockedError, match=rf"being written by pid {holder.pid} on host "
                                           rf".*lock file {tmp_path / '.lock'}"):
         WriterLock(tmp_path, timeout=0).__enter__()
@@ -366,9 +340,9 @@ def test_foreign_records_follow_the_kernel_lock(tmp_path):
     (tmp_path / ".lock").write_text("")  # a writer died between locking and recording
     with WriterLock(tmp_path, timeout=0):
         pass
-    holder = _child(_hold_lock, tmp_path, 30.0)
+    holder = forked(hold_lock, tmp_path, 30.0)
     try:
-        _wait_for_record(tmp_path / ".lock")
+        wait_for_lock_record(tmp_path / ".lock")
         # as a holder on another NFS client would write it: only the record names the host
         (tmp_path / ".lock").write_text(json.dumps({"pid": 4242, "host": "other-node"}))
         tic = time.monotonic()
@@ -403,7 +377,7 @@ def test_lock_race_admits_one_writer_at_a_time(tmp_path):
         (tmp_path / f"round-{round_:03d}" / ".lock").write_text(
             json.dumps({"pid": 999_999_999, "host": socket.gethostname()}))
     barrier, log_path = FORK.Barrier(takers), tmp_path / "log"
-    processes = [_child(_race, tmp_path, barrier, rounds, log_path) for _ in range(takers)]
+    processes = [forked(_race, tmp_path, barrier, rounds, log_path) for _ in range(takers)]
     for process in processes:
         process.join(300)
     assert [p.exitcode for p in processes] == [0] * takers

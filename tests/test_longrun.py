@@ -3,14 +3,12 @@ planner, rank stability and Holm-adjusted comparisons."""
 import json
 import math
 import shutil
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import random_sequences, tiny_model
+from conftest import forked, hold_lock, random_sequences, tiny_model, wait_for_lock_record
 from scipy import stats as scipy_stats
 
 from actwave.config import cpu_name
@@ -225,16 +223,14 @@ def test_workers_skip_a_trunk_another_process_holds(tmp_path):
     jobs = longrun.plan(SETS, config.budgets)
     run = _run(tmp_path, target)
     held = [j for j in jobs if j.label == "eagle3_default"]
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from actwave.integrity import WriterLock; "
-         "WriterLock(sys.argv[1]).__enter__(); print('held', flush=True); time.sleep(120)",
-         str(longrun.claim(run, held[0]).path.parent)], stdout=subprocess.PIPE, text=True)
+    lock = longrun.claim(run, held[0]).path
+    holder = forked(hold_lock, lock.parent, 120.0)
     try:
-        assert holder.stdout.readline().strip() == "held"
+        wait_for_lock_record(lock)
         records = longrun.run_jobs(jobs, run, progress=False)
     finally:
         holder.kill()
-        holder.wait()
+        holder.join()
     assert {r["label"] for r in records} == {"renyi2_exhaustive@filtered"}
     assert not any(longrun.record_path(run.results_dir, j).exists() for j in held)
     rerun = longrun.run_jobs(jobs, run, progress=False)
