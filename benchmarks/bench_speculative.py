@@ -4,7 +4,8 @@ SmolLM2 (default), float32, T=0, on the first turns of MT-bench and HumanEval
 (``--n-prompts`` each): our plain greedy, HF ``generate``, HF prompt-lookup decoding, and
 our EAGLE-3 speculative decoding with the fixed tree (``--depth/--top-k/--total-tokens``)
 and with the auto shape — the one ``actwave.decoding.costmodel`` picks from this machine's
-measured cost curve (cached) and the draft's acceptance on held-out ShareGPT replies.
+measured cost curve (cached) and the draft's acceptance on greedy replies to held-out
+MT-bench and HumanEval prompts (the ones after the timed ones).
 Per row: tokens/s, speedup vs our greedy (95% bootstrap CI over prompts), τ, speedup ÷ τ
 (the share of τ that survives the round's cost) and the exact-match rate vs our greedy.
 The auto row is a second pass with its own greedy reference, so its speedup is measured
@@ -58,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--linear-routes", default="measured", choices=("measured", "stock"),
                         help="measured: fastest GEMM formulation per row count (cached per machine)")
     parser.add_argument("--acceptance-prompts", type=int, default=16,
-                        help="held-out ShareGPT prompts whose greedy replies give the acceptance")
+                        help="held-out prompts (after the timed ones, in turn from each benchmark) "
+                             "whose greedy replies give the acceptance")
     return parser.parse_args(argv)
 
 

@@ -48,7 +48,7 @@ total_tokens = 16
 peers = True
 n_bootstrap = 1000
 routes = "measured"  # "stock": F.linear as shipped (actwave.decoding.linear_routes)
-acceptance_prompts = 16  # held-out ShareGPT greedy replies behind the auto shape
+acceptance_prompts = 16  # held-out prompts of the same benchmarks behind the auto shape
 
 # %%
 import matplotlib.pyplot as plt

@@ -64,7 +64,7 @@ longrun_decode_new_tokens = 64
 # held-out ShareGPT's first 20 prompts reach 2,099 tokens (SmolLM2's tokenizer): 1,024 would drop 3
 longrun_decode_max_prompt_tokens = 2304
 routes = "measured"  # "stock": F.linear as shipped (actwave.decoding.linear_routes)
-acceptance_prompts = 16  # held-out ShareGPT greedy replies behind the auto shape
+acceptance_prompts = 16  # held-out prompts of the same benchmarks behind the auto shape
 
 # %%
 import pandas as pd

@@ -74,3 +74,24 @@ def test_notebooks_and_benchmark_decode_through_the_same_function(monkeypatch):
     for name in NOTEBOOKS:
         source = (repo_root() / "notebooks" / name).read_text()
         assert "fastpath.compare(" in source, name
+
+
+def test_auto_shape_prompts_are_held_out_from_the_timed_ones_of_each_benchmark():
+    """The reach behind the auto shape comes from the decoded benchmarks, in turn, past the
+    prompts an evaluation of ``skip`` prompts per benchmark times."""
+    from actwave.decoding import costmodel
+    from actwave.decoding.evaluate import benchmark_prompts
+    tokenizer = StubTokenizer()
+    held_out = costmodel.held_out_prompts(tokenizer, 4, ("mtbench", "humaneval"), skip=3,
+                                          max_tokens=10_000)
+
+    def ids(item):
+        return tokenizer.apply_chat_template([{"role": "user", "content": item["turns"][0]}],
+                                             True, True, True)["input_ids"]
+    mtbench, humaneval = benchmark_prompts("mtbench", 5), benchmark_prompts("humaneval", 5)
+    expected = [ids(mtbench[3]), ids(humaneval[3]), ids(mtbench[4]), ids(humaneval[4])]
+    assert [prompt[0].tolist() for prompt in held_out] == expected
+    assert len(costmodel.held_out_prompts(tokenizer, 200, ("mtbench",), skip=70,
+                                          max_tokens=10_000)) == 10  # MT-bench has 80
+    with pytest.raises(ValueError, match="no held-out prompts of <= 5 tokens"):
+        costmodel.held_out_prompts(tokenizer, 2, ("humaneval",), skip=0, max_tokens=5)

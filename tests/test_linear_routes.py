@@ -22,6 +22,8 @@ def table_of(route: str, rows=(1, 2, 4, 8)) -> RouteTable:
 @pytest.mark.parametrize("shape", [(1, 1, 24), (1, 3, 24), (2, 5, 24), (70, 24), (24,)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_route_equals_f_linear(route, shape, bias):
+    if route == "packed" and not linear_routes.packing_available(torch.zeros(1)):
+        pytest.skip("this PyTorch build has no MKL")
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=generator)
     weight = torch.randn(40, 24, generator=generator)
@@ -29,6 +31,33 @@ def test_every_route_equals_f_linear(route, shape, bias):
     out = ROUTE_FUNCTIONS[route](x, weight, b)
     assert out.shape == (*shape[:-1], 40)
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+requires_packing = pytest.mark.skipif(
+    not linear_routes.packing_available(torch.zeros(1)), reason="this PyTorch build has no MKL")
+
+
+@requires_packing
+def test_packed_weight_is_made_once_and_again_after_an_update():
+    weight = torch.randn(40, 24, generator=torch.Generator().manual_seed(0))
+    first = linear_routes.packed_weight(weight)
+    assert linear_routes.packed_weight(weight) is first
+    x = torch.randn(3, 24, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        weight.mul_(2.0)  # an in-place update: the old packed copy would give the old product
+    assert linear_routes.packed_weight(weight) is not first
+    torch.testing.assert_close(linear_routes.packed(x, weight, None), F.linear(x, weight),
+                               rtol=1e-5, atol=1e-5)
+
+
+@requires_packing
+def test_packed_route_is_refused_where_it_cannot_run(llama):
+    assert "packed" in linear_routes.available_routes(llama.lm_head.weight)
+    assert "packed" not in linear_routes.available_routes(llama.lm_head.weight.bfloat16())
+    half = torch.nn.Linear(8, 8).bfloat16()
+    with pytest.raises(ValueError, match=r"routes \['packed'\] that do not run on torch.bfloat16"):
+        with linear_routes.use_routes(half, table_of("packed")):
+            pass
 
 
 def test_route_lookup_between_and_beyond_measured_rows():
@@ -78,8 +107,9 @@ def test_measured_table_is_cached_and_picks_the_faster_route(llama, tmp_path, mo
     monkeypatch.setenv("ACTWAVE_CACHE", str(tmp_path))
     table = linear_routes.load_or_measure(llama, "tiny-llama", max_rows=5, repeats=1)
     assert table.rows == [1, 2, 3, 4, 5] and set(table.routes) <= set(ROUTES)
-    for i, route in enumerate(table.routes):  # the table keeps the faster of the two medians
-        assert table.seconds[route][i] == min(table.seconds[r][i] for r in ROUTES)
+    assert set(table.seconds) == set(linear_routes.available_routes(llama.lm_head.weight))
+    for i, route in enumerate(table.routes):  # the table keeps the fastest median
+        assert table.seconds[route][i] == min(seconds[i] for seconds in table.seconds.values())
     monkeypatch.setattr(linear_routes, "measure_routes", lambda *a, **k: pytest.fail("re-measured"))
     assert linear_routes.load_or_measure(llama, "tiny-llama", max_rows=5, repeats=1) == table
 

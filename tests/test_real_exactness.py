@@ -1,6 +1,8 @@
 """On the real bundled SmolLM2-135M, fp32: speculative output equals greedy output under every
 linear route (chain and tree), and the offline decoding walk over per-position acceptance
 gives exactly the decoding τ on the same greedy text — the check the study's records allow."""
+import contextlib
+
 import pytest
 import torch
 
@@ -35,12 +37,34 @@ def real_case(smollm2):
     return target, prompt, reply, sequence, draft, eos
 
 
-@pytest.mark.parametrize("routes", ["stock", "measured"])
+def forced(route: str) -> linear_routes.RouteTable:
+    """A table that sends every decoding row count through ``route``."""
+    rows = list(linear_routes.ROW_COUNTS)
+    return linear_routes.RouteTable(model="forced", device="cpu", dtype="torch.float32", threads=1,
+                                    rows=rows, routes=[route] * len(rows), seconds={})
+
+
+@contextlib.contextmanager
+def under(routes: str, target, draft):
+    """"stock": nothing changed; "measured": this machine's tables; a route name: that route
+    for every row count of the target and the draft."""
+    if routes in ("stock", "measured"):
+        with linear_routes.routed({"smollm2-135m": target, "draft": draft}
+                                  if routes == "measured" else {}):
+            yield
+        return
+    if not linear_routes.available_routes(target.lm_head.weight).count(routes):
+        pytest.skip(f"route {routes!r} does not run in this PyTorch build")
+    with linear_routes.use_routes(target, forced(routes)), \
+            linear_routes.use_routes(draft, forced(routes)):
+        yield
+
+
+@pytest.mark.parametrize("routes", ["stock", "measured", *linear_routes.ROUTES])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_speculative_equals_greedy_on_smollm2_under_each_route(real_case, shape, routes):
     target, prompt, reply, _, draft, eos = real_case
-    modules = {"smollm2-135m": target, "draft": draft} if routes == "measured" else {}
-    with linear_routes.routed(modules):
+    with under(routes, target, draft):
         greedy = greedy_generate(target, prompt, len(reply), eos).tokens
         spec = generate(target, draft, prompt, len(reply), eos_token_ids=eos, shape=SHAPES[shape])
     assert spec.tokens == greedy == reply

@@ -222,12 +222,27 @@ def predict(target, draft, acceptance, shape: TreeShape,
                        *_curves(target, draft, costs))
 
 
-def held_out_prompts(tokenizer, n: int, skip: int = 0, max_tokens: int = 384) -> list[torch.Tensor]:
-    """(1, T) ids of held-out ShareGPT first turns (eval split) of at most ``max_tokens``
-    tokens, after the first ``skip`` (those an evaluation of the same split uses)."""
-    items = benchmark_prompts("sharegpt", skip + 4 * n)[skip:]
-    ids = [prompt_ids(tokenizer, [{"role": "user", "content": item["turns"][0]}]) for item in items]
-    return [torch.tensor([x]) for x in ids if len(x) <= max_tokens][:n]
+def held_out_prompts(tokenizer, n: int, benchmarks=("sharegpt",), skip: int = 0,
+                     max_tokens: int = 384) -> list[torch.Tensor]:
+    """(1, T) ids of ``n`` held-out first turns of at most ``max_tokens`` tokens, shared as
+    evenly as the benchmarks allow among ``benchmarks`` (``evaluate.BENCHMARKS``; ShareGPT:
+    its eval split), each taken after the first ``skip`` prompts of its benchmark — those an
+    evaluation of ``skip`` prompts per benchmark decodes, so a shape is never fitted on the
+    text it is timed on."""
+    if n < 1 or not benchmarks:
+        raise ValueError(f"need n >= 1 prompts from at least one benchmark, got n={n}, "
+                         f"benchmarks={tuple(benchmarks)}")
+    pools = []
+    for benchmark in benchmarks:
+        items = benchmark_prompts(benchmark, skip + 4 * n)[skip:]
+        ids = [prompt_ids(tokenizer, [{"role": "user", "content": item["turns"][0]}])
+               for item in items]
+        pools.append([torch.tensor([x]) for x in ids if len(x) <= max_tokens])
+    chosen = [pool[i] for i in range(max(map(len, pools))) for pool in pools if i < len(pool)][:n]
+    if not chosen:
+        raise ValueError(f"no held-out prompts of <= {max_tokens} tokens in {tuple(benchmarks)} "
+                         f"after the first {skip} of each")
+    return chosen
 
 
 @torch.no_grad()

@@ -88,13 +88,16 @@ class EvalConfig:
 
 # ----------------------------------------------------------------------------- prompts
 def benchmark_prompts(benchmark: str, n: int) -> list[dict]:
-    """The first ``n`` prompts: {"benchmark", "prompt_id", "turns": [user texts]}."""
+    """The first ``n`` prompts (all of them if the benchmark has fewer: MT-bench 80,
+    HumanEval 164): {"benchmark", "prompt_id", "turns": [user texts]}."""
     if benchmark == "mtbench":
-        rows = data.load_mtbench().select(range(n))
+        rows = data.load_mtbench()
+        rows = rows.select(range(min(n, rows.num_rows)))
         return [{"benchmark": benchmark, "prompt_id": str(r["question_id"]), "turns": r["turns"]}
                 for r in rows]
     if benchmark == "humaneval":
-        rows = data.load_humaneval().select(range(n))
+        rows = data.load_humaneval()
+        rows = rows.select(range(min(n, rows.num_rows)))
         return [{"benchmark": benchmark, "prompt_id": r["task_id"], "turns": [r["prompt"]]}
                 for r in rows]
     if benchmark == "sharegpt":

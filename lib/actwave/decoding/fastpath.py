@@ -10,9 +10,9 @@ greedy reference on the same prompts:
 
 - ``fixed``: the profile's tree (or chain) setting, with HF's greedy and prompt lookup as peers;
 - ``auto``: the shape the cost model picks (``costmodel.auto_shape``) from this machine's
-  measured cost curve — under the same routes — and the drafts' mean reach on held-out
-  ShareGPT greedy replies (one shape shared by all drafts of a target, so layer sets are
-  compared at one shape).
+  measured cost curve — under the same routes — and the drafts' mean reach on greedy
+  replies to held-out prompts of the benchmarks being decoded (the prompts after the timed
+  ones; one shape shared by all drafts of a target, so layer sets are compared at one shape).
 
 Each table row says which routes and which shape ran (columns ``routes``, ``shape``).
 """
@@ -74,11 +74,12 @@ class Comparison:
 
 
 def mean_reach(target, tokenizer, drafts: dict, eos_token_ids, n_prompts: int,
-               skip: int) -> dict[int, list[float]]:
-    """The drafts' mean held-out reach on ``n_prompts`` ShareGPT eval first turns (after the
-    first ``skip``, which an evaluation of that split decodes)."""
+               benchmarks, skip: int) -> dict[int, list[float]]:
+    """The drafts' mean reach on ``n_prompts`` held-out first turns of ``benchmarks`` (taken
+    in turn from each, after the first ``skip`` of each: those an evaluation decodes)."""
     device = target.get_input_embeddings().weight.device
-    prompts = [p.to(device) for p in costmodel.held_out_prompts(tokenizer, n_prompts, skip)]
+    prompts = [p.to(device) for p in costmodel.held_out_prompts(tokenizer, n_prompts, benchmarks,
+                                                                skip)]
     texts = costmodel.greedy_texts(target, prompts, eos_token_ids=eos_token_ids)
     reaches = [costmodel.held_out_acceptance(target, draft, texts) for draft in drafts.values()]
     return {k: torch.tensor([r[k] for r in reaches]).mean(0).tolist() for k in reaches[0]}
@@ -109,14 +110,15 @@ def compare(target, tokenizer, drafts: dict, config: EvalConfig, eos_token_ids, 
     and with the auto shape (no peers), both under ``routes``.
 
     drafts: {label: Eagle3Draft of ``target``}. Records resume per pass in ``evaluate``'s
-    run folders ``out_dir/<run_name>-<pass>-<key>/``. The held-out prompts of the auto shape
-    skip the ShareGPT prompts ``config`` decodes, so the shape is not fitted on its own text.
+    run folders ``out_dir/<run_name>-<pass>-<key>/``. The auto shape rests on held-out
+    prompts of ``config``'s own benchmarks, past the ones it decodes: fitted on the kind of
+    text it is timed on, never on that text itself.
     """
     if not drafts:
         raise ValueError("compare needs at least one draft")
-    skip = config.n_prompts if "sharegpt" in config.benchmarks else 0
     with route_context(target, drafts, routes, config.model) as tables:
-        reach = mean_reach(target, tokenizer, drafts, eos_token_ids, acceptance_prompts, skip)
+        reach = mean_reach(target, tokenizer, drafts, eos_token_ids, acceptance_prompts,
+                           config.benchmarks, config.n_prompts)
         first = next(iter(drafts.values()))
         shapes = {"fixed": _predicted(target, first, reach, config),
                   "auto": costmodel.auto_shape(target, first, reach)}

@@ -8,13 +8,16 @@ EPYC with MKL, one sweep of ``x @ W.T`` over SmolLM2's 540 MB of linear weights 
 51 ms for one row (GEMV) and 75-110 ms for 2-4 rows, while the same product written
 ``(W @ x.T).T`` (the rows become the GEMM's narrow N dimension) takes 32-52 ms for 1-4 rows.
 A single row is padded to two for that route: the duplicated row is free when the cost is
-the weight read.
+the weight read. On an Intel Xeon with the same MKL the stock kernel is the fast one for 1-3
+rows, but slows sharply from 4 rows on, where MKL's *packed* GEMM (``cblas_sgemm_pack`` once,
+``cblas_sgemm_compute`` per call: the layout MKL wants for a weight reused many times with a
+small M, as PyTorch's own freezing pass uses it) grows far more slowly with the row count.
 
 Which formulation wins depends on the BLAS, the CPU and the row count, so it is measured,
 not assumed: ``measure_routes`` times each route for every row count on the module's own
 weights (one sweep over all its linears per timing, so the weights come from memory as in
 decoding, not from cache), routes interleaved, medians kept; ``load_or_measure`` caches the
-table per (layer shapes, device, dtype, threads, torch). ``use_routes`` swaps each ``nn.Linear``
+table per (layer shapes, device, dtype, threads, torch, routes available). ``use_routes`` swaps each ``nn.Linear``
 forward for the routed one and restores it on exit.
 
 The routes compute the same dot products with a different summation order, so outputs
@@ -30,6 +33,7 @@ import hashlib
 import json
 import statistics
 import time
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -38,7 +42,7 @@ import torch.nn.functional as F
 from actwave.config import artifact_dir, atomic_write_json
 from actwave.decoding.timing import synchronize
 
-ROUTES = ("linear", "weight_left")
+ROUTES = ("linear", "weight_left", "packed")
 ROW_COUNTS = tuple(range(1, 17)) + (24, 32, 48, 64)  # tree sizes beyond 16 come in steps
 
 
@@ -62,7 +66,44 @@ def weight_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-ROUTE_FUNCTIONS = {"linear": F.linear, "weight_left": weight_left}
+PACK_ROWS = 8  # MKL's packing hint (the row count it tunes the layout for); any count runs on it
+_packed_weights: dict = {}  # id(weight) -> (weak reference to it, its version, packed copy)
+
+
+def packing_available(weight: torch.Tensor) -> bool:
+    """MKL's packed GEMM exists for float32 CPU weights in PyTorch builds with MKL."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """MKL's packed copy of ``weight`` (d_out, d_in), made once and kept while the weight
+    lives and is unchanged (the entry is keyed by the tensor itself and its version, so an
+    in-place update or a new tensor at a reused address packs again)."""
+    key = id(weight)
+    hit = _packed_weights.get(key)
+    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+        return hit[2]
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS)
+    _packed_weights[key] = (weakref.ref(weight, lambda _: _packed_weights.pop(key, None)),
+                            weight._version, packed)
+    return packed
+
+
+def packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` through MKL's packed GEMM on ``packed_weight(weight)``; x: (..., d_in).
+    Inference only (no autograd formula)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, d_in)
+    out = torch.ops.mkl._mkl_linear(rows, packed_weight(weight), weight, bias, rows.shape[0])
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+ROUTE_FUNCTIONS = {"linear": F.linear, "weight_left": weight_left, "packed": packed}
+
+
+def available_routes(weight: torch.Tensor) -> tuple[str, ...]:
+    """The routes that run on this weight's device and dtype."""
+    return tuple(route for route in ROUTES if route != "packed" or packing_available(weight))
 
 
 @dataclass
@@ -96,7 +137,7 @@ def linears(module: torch.nn.Module) -> list[torch.nn.Linear]:
 @torch.no_grad()
 def measure_routes(module: torch.nn.Module, max_rows: int = 64, repeats: int = 5,
                    name: str = "") -> RouteTable:
-    """Time every route in ``ROUTES`` for the ``ROW_COUNTS`` up to ``max_rows`` on
+    """Time every route available for the weights (``available_routes``) for the ``ROW_COUNTS`` up to ``max_rows`` on
     ``module``'s linears (each timing: one call per linear, the whole sweep), interleaved
     within each repeat, medians."""
     if max_rows < 1 or repeats < 1:
@@ -116,7 +157,8 @@ def measure_routes(module: torch.nn.Module, max_rows: int = 64, repeats: int = 5
         synchronize(weight.device)
         return time.perf_counter() - tic
 
-    tasks = [(route, rows) for rows in counts for route in ROUTES]
+    routes = available_routes(weight)
+    tasks = [(route, rows) for rows in counts for route in routes]
     for task in tasks:  # warm-up: first-call paths, thread pools
         sweep(*task)
     times: dict = {task: [] for task in tasks}
@@ -124,19 +166,21 @@ def measure_routes(module: torch.nn.Module, max_rows: int = 64, repeats: int = 5
         for task in tasks:
             times[task].append(sweep(*task))
     seconds = {route: [statistics.median(times[(route, rows)]) for rows in counts]
-               for route in ROUTES}
-    best = [min(ROUTES, key=lambda route: seconds[route][i]) for i in range(len(counts))]
+               for route in routes}
+    best = [min(routes, key=lambda route: seconds[route][i]) for i in range(len(counts))]
     return RouteTable(model=name, device=str(weight.device), dtype=str(weight.dtype),
                       threads=torch.get_num_threads(), rows=counts, routes=best, seconds=seconds)
 
 
 def _cache_key(module: torch.nn.Module, name: str, max_rows: int) -> dict:
-    """What the table depends on: the linear shapes, device, dtype, threads, torch."""
+    """What the table depends on: the linear shapes, device, dtype, threads, torch, and the
+    routes it chose among."""
     layers = linears(module)
     shapes = ",".join(f"{layer.out_features}x{layer.in_features}" for layer in layers)
     return {"model": name, "shapes": hashlib.sha256(shapes.encode()).hexdigest()[:16],
             "device": str(layers[0].weight.device), "dtype": str(layers[0].weight.dtype),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "max_rows": max_rows}
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "max_rows": max_rows,
+            "routes": list(available_routes(layers[0].weight))}
 
 
 def load_or_measure(module: torch.nn.Module, name: str, max_rows: int = 64,
@@ -177,6 +221,14 @@ def use_routes(module: torch.nn.Module, table: RouteTable):
         raise ValueError(f"{type(module).__name__} already runs routed linears; nest use_routes "
                          "on distinct modules only")
     layers = linears(module)
+    unusable = sorted(set(table.routes) - set(available_routes(layers[0].weight)))
+    if unusable:
+        raise ValueError(f"route table names routes {unusable} that do not run on "
+                         f"{layers[0].weight.dtype} weights on {layers[0].weight.device}; "
+                         f"available: {list(available_routes(layers[0].weight))}")
+    if "packed" in table.routes:  # pack now, not inside the first timed call
+        for layer in layers:
+            packed_weight(layer.weight)
     for layer in layers:
         layer.forward = _routed_forward(layer, table)
     module._actwave_linear_routes = table
