@@ -106,6 +106,17 @@ def rows_of(comparison: fastpath.Comparison) -> pd.DataFrame:
     return table[COLUMNS].reset_index(drop=True)
 
 
+def per_benchmark(comparison: fastpath.Comparison, label: str = "draft") -> dict[str, str]:
+    """{spec_fixed|spec_auto: "mtbench 1.21x tau 1.52, humaneval …"}: the speedup and τ of the
+    draft ``label`` per benchmark in each pass, so a pooled number that misses its prediction
+    shows where."""
+    summary = comparison.summary()
+    rows = summary[(summary.label == label) & (summary.benchmark != "all")]
+    return {f"spec_{name}": ", ".join(f"{row.benchmark} {row.speedup:.2f}x tau {row.tau:.2f}"
+                                      for row in group.itertuples())
+            for name, group in rows.groupby("pass", sort=False)}
+
+
 def compare(args) -> tuple[pd.DataFrame, dict, bool]:
     """Every row through ``fastpath.compare`` (the notebooks' path): the fixed tree with the
     HF peers, then the auto shape, under the measured linear routes unless ``stock``."""
@@ -124,7 +135,7 @@ def compare(args) -> tuple[pd.DataFrame, dict, bool]:
     fixed = dict(mode="tree", depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
     info = {"acceptance": comparison.reach, "shape": comparison.auto, "fixed": fixed,
             "fixed_shape": comparison.shapes["fixed"],
-            "dtype": args.dtype, "route_gain": gain,
+            "dtype": args.dtype, "route_gain": gain, "per_benchmark": per_benchmark(comparison),
             "tables": {"target": target_table} if target_table else {}}
     return rows_of(comparison), info, trained
 
@@ -155,8 +166,9 @@ def summary_rows(table: pd.DataFrame, info: dict, trained: bool) -> list[dict]:
         if row.label == "greedy":
             continue
         spec = row.label in shapes
+        split = info.get("per_benchmark", {}).get(row.label)
         detail = (f"tau {row.tau:.2f}; speedup/tau {row.speedup_per_tau:.2f}; {shapes[row.label]}; "
-                  if spec else "")
+                  + (f"{split}; " if split else "") if spec else "")
         rows.append({"benchmark": "speculative",
                      "measure": f"{row.label} / our greedy tok/s ({DTYPE_LABELS[info.get('dtype', 'float32')]}"
                                 f"{routed})" + (mark if spec else ""),
@@ -186,6 +198,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{gain['routed_tokens_per_s']:.2f} tok/s routed vs {gain['stock_tokens_per_s']:.2f} stock "
               f"(outputs {'identical' if gain['identical'] else 'DIFFER'}); every row below runs routed")
     print(table.to_string(index=False, float_format="%.3f"))
+    for label, split in info["per_benchmark"].items():
+        print(f"{label} per benchmark: {split}")
     return summary_rows(table, info, trained)
 
 

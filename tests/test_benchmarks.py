@@ -74,8 +74,11 @@ def test_speculative_summary_rows_mark_random_drafts_and_report_shapes(monkeypat
     info |= {"tables": {"target": object()}, "dtype": "float32",
              "route_gain": {"routed_tokens_per_s": 21.0, "stock_tokens_per_s": 14.0, "identical": True}}
     info["fixed_shape"] = shape
+    info["per_benchmark"] = {"spec_auto": "mtbench 0.80x tau 1.50, humaneval 0.60x tau 1.30"}
     routed = bench.summary_rows(table, info, trained=True)
     assert "tree 4/4/16, predicted 1.05x at tau 2.10" in routed[2]["detail"]
+    assert "; mtbench 0.80x tau 1.50, humaneval 0.60x tau 1.30; exact" in routed[3]["detail"]
+    assert "mtbench" not in routed[2]["detail"]  # the fixed pass had no split given
     assert routed[0]["ratio"] == pytest.approx(1.5) and "outputs identical" in routed[0]["detail"]
     assert routed[0]["measure"] == "greedy routed / stock linears tok/s (fp32)"
     assert all(r["measure"].endswith("(fp32, routed linears)") for r in routed[1:])

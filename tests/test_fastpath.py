@@ -21,7 +21,7 @@ def _config(**changes):
 
 
 @pytest.mark.parametrize("routes", fastpath.ROUTES)
-def test_both_shapes_decode_exactly_and_say_what_ran(llama, tmp_path, routes):
+def test_both_shapes_decode_exactly_and_say_what_ran(llama, tmp_path, routes, monkeypatch):
     torch.manual_seed(0)
     drafts = {name: Eagle3Draft.from_target(llama, layers, draft_vocab_size=96).eval()
               for name, layers in (("a", (1, 2, 4)), ("b", (0, 3, 4)))}
@@ -46,6 +46,13 @@ def test_both_shapes_decode_exactly_and_say_what_ran(llama, tmp_path, routes):
     assert all(linear_routes.active(module) is None for module in (llama, *drafts.values()))
     assert len(list(tmp_path.glob("t-fixed-*/manifest.json"))) == 1  # one run folder per pass
     assert len(list(tmp_path.glob("t-auto-*/manifest.json"))) == 1
+    monkeypatch.syspath_prepend(str(repo_root() / "benchmarks"))
+    split = importlib.import_module("bench_speculative").per_benchmark(result, "a")
+    assert sorted(split) == ["spec_auto", "spec_fixed"]
+    for name, text in split.items():  # the benchmark's per-benchmark split: each pass's rows
+        rows = summary[(summary["pass"] == name[5:]) & (summary["label"] == "a")
+                       & (summary["benchmark"] != "all")]
+        assert text.startswith("humaneval ") and ", sharegpt " in text and len(rows) == 2
 
 
 def test_bad_routes_and_no_drafts_are_refused(llama):
