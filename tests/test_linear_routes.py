@@ -51,6 +51,14 @@ def test_packed_weight_is_made_once_and_again_after_an_update():
 
 
 @requires_packing
+def test_packed_copies_live_only_inside_use_routes(llama):
+    layers = linear_routes.linears(llama)
+    with linear_routes.use_routes(llama, table_of("packed")):
+        assert all(id(layer.weight) in linear_routes._packed_weights for layer in layers)
+    assert not any(id(layer.weight) in linear_routes._packed_weights for layer in layers)
+
+
+@requires_packing
 def test_packed_route_is_refused_where_it_cannot_run(llama):
     assert "packed" in linear_routes.available_routes(llama.lm_head.weight)
     assert "packed" not in linear_routes.available_routes(llama.lm_head.weight.bfloat16())

@@ -17,8 +17,8 @@ Which formulation wins depends on the BLAS, the CPU and the row count, so it is 
 not assumed: ``measure_routes`` times each route for every row count on the module's own
 weights (one sweep over all its linears per timing, so the weights come from memory as in
 decoding, not from cache), routes interleaved, medians kept; ``load_or_measure`` caches the
-table per (layer shapes, device, dtype, threads, torch, routes available). ``use_routes`` swaps each ``nn.Linear``
-forward for the routed one and restores it on exit.
+table per (layer shapes, device, dtype, threads, torch, routes available). ``use_routes``
+swaps each ``nn.Linear`` forward for the routed one and restores it on exit.
 
 The routes compute the same dot products with a different summation order, so outputs
 match ``F.linear`` to float rounding (not bit for bit); speculative decoding stays exact in
@@ -77,17 +77,32 @@ def packing_available(weight: torch.Tensor) -> bool:
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """MKL's packed copy of ``weight`` (d_out, d_in), made once and kept while the weight
-    lives and is unchanged (the entry is keyed by the tensor itself and its version, so an
-    in-place update or a new tensor at a reused address packs again)."""
+    """MKL's packed copy of ``weight`` (d_out, d_in), made once and kept until
+    ``release_packed`` or the weight's end (the entry is keyed by the tensor itself and its
+    version, so an in-place update or a new tensor at a reused address packs again)."""
     key = id(weight)
     hit = _packed_weights.get(key)
-    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+    if hit is not None and hit[0]() is weight and hit[1] == _version(weight):
         return hit[2]
     packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS)
     _packed_weights[key] = (weakref.ref(weight, lambda _: _packed_weights.pop(key, None)),
-                            weight._version, packed)
+                            _version(weight), packed)
     return packed
+
+
+def _version(weight: torch.Tensor) -> int | None:
+    """The in-place update counter; inference-mode tensors keep none (and cannot be updated
+    in place outside inference mode)."""
+    try:
+        return weight._version
+    except RuntimeError:
+        return None
+
+
+def release_packed(layers: list[torch.nn.Linear]) -> None:
+    """Free the packed copies of these layers' weights (about the weights' size again)."""
+    for layer in layers:
+        _packed_weights.pop(id(layer.weight), None)
 
 
 def packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -137,9 +152,9 @@ def linears(module: torch.nn.Module) -> list[torch.nn.Linear]:
 @torch.no_grad()
 def measure_routes(module: torch.nn.Module, max_rows: int = 64, repeats: int = 5,
                    name: str = "") -> RouteTable:
-    """Time every route available for the weights (``available_routes``) for the ``ROW_COUNTS`` up to ``max_rows`` on
-    ``module``'s linears (each timing: one call per linear, the whole sweep), interleaved
-    within each repeat, medians."""
+    """Time every route available for the weights (``available_routes``) for the
+    ``ROW_COUNTS`` up to ``max_rows`` on ``module``'s linears (each timing: one call per
+    linear, the whole sweep), interleaved within each repeat, medians."""
     if max_rows < 1 or repeats < 1:
         raise ValueError(f"max_rows and repeats must be >= 1, got {max_rows}, {repeats}")
     layers = linears(module)
@@ -168,6 +183,7 @@ def measure_routes(module: torch.nn.Module, max_rows: int = 64, repeats: int = 5
     seconds = {route: [statistics.median(times[(route, rows)]) for rows in counts]
                for route in routes}
     best = [min(routes, key=lambda route: seconds[route][i]) for i in range(len(counts))]
+    release_packed(layers)
     return RouteTable(model=name, device=str(weight.device), dtype=str(weight.dtype),
                       threads=torch.get_num_threads(), rows=counts, routes=best, seconds=seconds)
 
@@ -237,6 +253,7 @@ def use_routes(module: torch.nn.Module, table: RouteTable):
     finally:
         for layer in layers:
             del layer.forward  # back to the class's forward
+        release_packed(layers)
         del module._actwave_linear_routes
 
 
