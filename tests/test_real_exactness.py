@@ -14,6 +14,7 @@ from actwave.decoding.speculative import generate, greedy_generate
 from actwave.decoding.tree import TreeShape
 from actwave.eagle3 import Eagle3Draft
 from test_acceptance import fitted_draft, offline
+from test_linear_routes import table_of
 
 LAYERS = (2, 15, 27)  # EAGLE-3's default (2, N//2, N−3) for N = 30
 SHAPES = {"chain": TreeShape("chain", depth=3), "tree": TreeShape("tree", 3, 3, 8)}
@@ -37,13 +38,6 @@ def real_case(smollm2):
     return target, prompt, reply, sequence, draft, eos
 
 
-def forced(route: str) -> linear_routes.RouteTable:
-    """A table that sends every decoding row count through ``route``."""
-    rows = list(linear_routes.ROW_COUNTS)
-    return linear_routes.RouteTable(model="forced", device="cpu", dtype="torch.float32", threads=1,
-                                    rows=rows, routes=[route] * len(rows), seconds={})
-
-
 @contextlib.contextmanager
 def under(routes: str, target, draft):
     """"stock": nothing changed; "measured": this machine's tables; a route name: that route
@@ -53,10 +47,11 @@ def under(routes: str, target, draft):
                                   if routes == "measured" else {}):
             yield
         return
-    if not linear_routes.available_routes(target.lm_head.weight).count(routes):
+    if routes not in linear_routes.available_routes(target.lm_head.weight):
         pytest.skip(f"route {routes!r} does not run in this PyTorch build")
-    with linear_routes.use_routes(target, forced(routes)), \
-            linear_routes.use_routes(draft, forced(routes)):
+    every_row_count = table_of(routes, linear_routes.ROW_COUNTS)
+    with linear_routes.use_routes(target, every_row_count), \
+            linear_routes.use_routes(draft, every_row_count):
         yield
 
 
