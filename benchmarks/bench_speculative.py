@@ -40,7 +40,7 @@ from actwave.stats.selection import eagle3_default
 
 DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16"}
 COLUMNS = ["label", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "tau",
-           "speedup_per_tau", "exact_match_rate", "n_prompts"]
+           "speedup_per_tau", "lookup_share", "exact_match_rate", "n_prompts"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--acceptance-prompts", type=int, default=16,
                         help="held-out prompts (after the timed ones, in turn from each benchmark) "
                              "whose greedy replies give the acceptance")
+    parser.add_argument("--lookup", default="on", choices=("on", "off"),
+                        help="on: the auto shape may add prompt-lookup rounds (actwave.decoding.lookup)")
     return parser.parse_args(argv)
 
 
@@ -129,7 +131,8 @@ def compare(args) -> tuple[pd.DataFrame, dict, bool]:
     comparison = fastpath.compare(target, tokenizer, {"draft": draft}, config,
                                   models.stop_token_ids(tokenizer, args.model),
                                   routes=args.linear_routes,
-                                  acceptance_prompts=args.acceptance_prompts)
+                                  acceptance_prompts=args.acceptance_prompts,
+                                  lookup=args.lookup == "on")
     target_table = comparison.tables.get(models.slug(args.model))
     gain = route_gain(target, tokenizer, target_table, args) if target_table else None
     fixed = dict(mode="tree", depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
@@ -153,8 +156,7 @@ def summary_rows(table: pd.DataFrame, info: dict, trained: bool) -> list[dict]:
     shape, fixed = info["shape"], info["fixed"]
     shapes = {"spec_fixed": f"tree {fixed['depth']}/{fixed['top_k']}/{fixed['total_tokens']}"
                             + _prediction(info.get("fixed_shape")),
-              "spec_auto": f"auto: {shape.mode} {shape.depth}/{shape.top_k}/{shape.total_tokens}"
-                           + _prediction(shape)}
+              "spec_auto": f"auto: {shape.label()}" + _prediction(shape)}
     routed = ", routed linears" if info.get("tables") else ""
     gain = info.get("route_gain")
     rows = [] if not gain else [{
@@ -167,8 +169,9 @@ def summary_rows(table: pd.DataFrame, info: dict, trained: bool) -> list[dict]:
             continue
         spec = row.label in shapes
         split = info.get("per_benchmark", {}).get(row.label)
+        lookup = f"lookup rounds {row.lookup_share:.0%}; " if row.lookup_share > 0 else ""
         detail = (f"tau {row.tau:.2f}; speedup/tau {row.speedup_per_tau:.2f}; {shapes[row.label]}; "
-                  + (f"{split}; " if split else "") if spec else "")
+                  + lookup + (f"{split}; " if split else "") if spec else "")
         rows.append({"benchmark": "speculative",
                      "measure": f"{row.label} / our greedy tok/s ({DTYPE_LABELS[info.get('dtype', 'float32')]}"
                                 f"{routed})" + (mark if spec else ""),

@@ -49,6 +49,7 @@ peers = True
 n_bootstrap = 1000
 routes = "measured"  # "stock": F.linear as shipped (actwave.decoding.linear_routes)
 acceptance_prompts = 16  # held-out prompts of the same benchmarks behind the auto shape
+decode_lookup = True  # the auto shape may add prompt-lookup rounds (actwave.decoding.lookup)
 
 # %%
 import matplotlib.pyplot as plt
@@ -78,7 +79,7 @@ for name in model_names:
     comparisons[name] = fastpath.compare(
         target, tokenizer, drafts, build("eval", globals(), model=name),
         model_zoo.stop_token_ids(tokenizer, name), routes=routes,
-        acceptance_prompts=acceptance_prompts, out_dir=results_dir,
+        acceptance_prompts=acceptance_prompts, lookup=decode_lookup, out_dir=results_dir,
         run_name=f"{NOTEBOOK}_records_{model_zoo.slug(name)}")
     print(name, "routes:", routes, "| fixed:", comparisons[name].shape_label("fixed"),
           "|", comparisons[name].shape_label("auto"))

@@ -64,13 +64,15 @@ def test_speculative_summary_rows_mark_random_drafts_and_report_shapes(monkeypat
                           "speedup": [1.0, 0.8, 0.5, 0.7], "tau": [float("nan")] * 2 + [1.25, 1.4],
                           "exact_match_rate": [1.0] * 4, "n_prompts": [10] * 4})
     table["speedup_per_tau"] = table.speedup / table.tau
-    shape = TreeShape("chain", 3, 1, 4, 2.1, 0.2, 1.05)
+    table["lookup_share"] = [float("nan")] * 3 + [0.4]
+    shape = TreeShape("chain", 3, 1, 4, 2.1, 0.2, 1.05, lookup=2)
     info = {"shape": shape, "fixed": dict(mode="tree", depth=4, top_k=4, total_tokens=16)}
     rows = bench.summary_rows(table, info, trained=False)
     assert [r["ratio"] for r in rows] == [0.8, 0.5, 0.7]
     assert rows[0]["measure"].endswith("(fp32)") and "RANDOM" in rows[2]["measure"]
     assert "speedup/tau 0.40" in rows[1]["detail"] and "tree 4/4/16" in rows[1]["detail"]
-    assert "auto: chain 3/1/4, predicted 1.05x at tau 2.10" in rows[2]["detail"]
+    assert "auto: chain 3/1/4 + lookup 2, predicted 1.05x at tau 2.10" in rows[2]["detail"]
+    assert "lookup rounds 40%" in rows[2]["detail"] and "lookup" not in rows[1]["detail"]
     info |= {"tables": {"target": object()}, "dtype": "float32",
              "route_gain": {"routed_tokens_per_s": 21.0, "stock_tokens_per_s": 14.0, "identical": True}}
     info["fixed_shape"] = shape

@@ -350,6 +350,7 @@ def test_bad_inputs_are_refused(llama, ids, max_new, match):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(temperature=-1.0), "temperature must be >= 0"),
     (dict(shape={"mode": "tree"}), "shape must be a TreeShape"),
+    (dict(shape=TreeShape(lookup=2), temperature=0.7), "needs temperature 0"),
 ])
 def test_bad_settings_are_refused(llama, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -359,6 +360,7 @@ def test_bad_settings_are_refused(llama, kwargs, match):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mode="beam"), "mode must be one of"), (dict(depth=0), "depth must be an int >= 1"),
     (dict(total_tokens=1), "total_tokens must be an int >= 2"),
+    (dict(lookup=-1), "lookup must be an int >= 0"),
 ])
 def test_bad_tree_shapes_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -367,7 +369,7 @@ def test_bad_tree_shapes_are_refused(kwargs, match):
 
 def test_chain_shape_fixes_its_width():
     assert TreeShape("chain", depth=5).settings() == dict(mode="chain", depth=5, top_k=1,
-                                                           total_tokens=6)
+                                                           total_tokens=6, lookup=0)
 
 
 @pytest.mark.parametrize("acceptance,match", [

@@ -28,12 +28,14 @@ from actwave.config import artifact_dir, atomic_write_json
 from actwave.decoding import linear_routes
 from actwave.decoding.acceptance import sequence_acceptance
 from actwave.decoding.evaluate import benchmark_prompts
+from actwave.decoding.lookup import lookup_stats, score_lookup
 from actwave.decoding.speculative import accept_round, greedy_generate, verify_forward
 from actwave.decoding.timing import synchronize
 from actwave.decoding.tree import (DraftTree, TreeShape, build_tree, choose_shape, rank_acceptance,
-                                   score_shape)
+                                   score_shape, token_chain)
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+LOOKUP_TOKENS = (1, 2, 3, 4, 6, 8)  # lookup chain lengths auto_lookup weighs against none
 
 
 @dataclass
@@ -78,9 +80,7 @@ def trim_cache(cache, length: int) -> None:
 
 def chain_tree(n: int, device) -> DraftTree:
     """A chain of n random tokens (verification cost depends on n, not on the shape)."""
-    tokens = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(n)).to(device)
-    return DraftTree(tokens=tokens, depths=torch.arange(n, device=device),
-                     parents=[-1] + list(range(n - 1)), children=[[i + 1] for i in range(n - 1)] + [[]])
+    return token_chain(torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(n)).to(device))
 
 
 def _interpolate(measured: dict[int, float], upto: int) -> list[float]:
@@ -220,6 +220,23 @@ def predict(target, draft, acceptance, shape: TreeShape,
     predicted speedup) for this draft's held-out ``acceptance`` on this machine."""
     return score_shape(_reach(acceptance), shape.depth, shape.top_k, shape.total_tokens,
                        *_curves(target, draft, costs))
+
+
+def auto_lookup(target, draft, shape: TreeShape, texts: list[tuple[torch.Tensor, int]],
+                costs: CostCurve | None = None, candidates=LOOKUP_TOKENS) -> TreeShape:
+    """``shape`` (scored by ``auto_shape``) with the lookup length among ``candidates`` (0 =
+    no lookup rounds) that the cost model expects to be fastest on the greedy ``texts``
+    (``greedy_texts`` of held-out prompts; ``actwave.decoding.lookup.score_lookup``)."""
+    verify_seconds, _, _, greedy_seconds = _curves(target, draft, costs)
+    id_texts = [(text.tolist(), start) for text, start in texts]
+    best = shape
+    for length in candidates:
+        if 0 < length < len(verify_seconds):
+            scored = score_lookup(shape, lookup_stats(id_texts, length), length, verify_seconds,
+                                  greedy_seconds)
+            if scored.predicted_speedup > best.predicted_speedup:
+                best = scored
+    return best
 
 
 def held_out_prompts(tokenizer, n: int, benchmarks=("sharegpt",), skip: int = 0,

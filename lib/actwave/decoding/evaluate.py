@@ -70,6 +70,7 @@ class EvalConfig:
     depth: int = 4
     top_k: int = 4
     total_tokens: int = 16
+    lookup: int = 0                     # prompt-lookup rounds of <= lookup tokens (0: none)
     peers: bool = True                  # also time HF generate and HF prompt lookup
     prompt_lookup_tokens: int = 10
     n_bootstrap: int = 1000
@@ -79,7 +80,8 @@ class EvalConfig:
         # Checked before any prompt runs: n_bootstrap=0 once crashed after all of them.
         check_fields(self, {name: Between(1) for name in (
             "n_prompts", "max_turns", "max_new_tokens", "max_prompt_tokens", "depth", "top_k",
-            "total_tokens", "prompt_lookup_tokens", "n_bootstrap")} | {"seed": Between(0)},
+            "total_tokens", "prompt_lookup_tokens", "n_bootstrap")}
+            | {name: Between(0) for name in ("seed", "lookup")},
             {"dtype": DTYPES, "mode": MODES, "benchmarks": BENCHMARKS})
         self.benchmarks = tuple(self.benchmarks)
         if not self.benchmarks:
@@ -137,14 +139,15 @@ def _hf_method(target, config: EvalConfig, eos: list[int], **extra) -> Method:
 
 
 def _draft_method(target, draft, config: EvalConfig, eos: list[int]) -> Method:
-    shape = TreeShape(config.mode, config.depth, config.top_k, config.total_tokens)
+    shape = TreeShape(config.mode, config.depth, config.top_k, config.total_tokens,
+                      lookup=config.lookup)
 
     def run(input_ids: torch.Tensor) -> dict:
         result = generate(target, draft, input_ids, config.max_new_tokens, shape=shape,
                           eos_token_ids=eos, seed=config.seed)
         return {"tokens": result.tokens, "tau": result.tau, "accept_counts": result.accept_counts,
                 "target_forwards": result.target_forwards, "draft_forwards": result.draft_forwards,
-                "timings": result.timings}
+                "lookup_rounds": result.lookup_rounds, "timings": result.timings}
     return run
 
 
@@ -185,7 +188,8 @@ def _record(item: dict, turn: int, method: str, prompt: list[int], out: dict,
             "seconds": out["seconds"], "exact_match": tokens == reference,
             "match_prefix": prefix, "tau": out.get("tau"), "accept_counts": out.get("accept_counts"),
             "target_forwards": out.get("target_forwards"), "draft_forwards": out.get("draft_forwards"),
-            "timings": out.get("timings"), "tokens": tokens}
+            "lookup_rounds": out.get("lookup_rounds"), "timings": out.get("timings"),
+            "tokens": tokens}
 
 
 def run_item(item: dict, tokenizer, methods: dict[str, Method], config: EvalConfig,
@@ -277,7 +281,7 @@ def _skipped(item: dict) -> dict:
 
 # ----------------------------------------------------------------------------- records
 # v3: prompt_ids on greedy records; v4: a stop token accepted inside a round ends the run
-RUN_FORMAT = "actwave-eval-run-v4"
+RUN_FORMAT = "actwave-eval-run-v5"
 MANIFEST = "manifest.json"
 
 

@@ -69,18 +69,23 @@ class Comparison:
     def shape_label(self, name: str) -> str:
         """'tree 4/4/16' style label of a pass's shape (mode depth/top-k/total tokens)."""
         config = self.runs[name]["config"]
-        label = f"{config.mode} {config.depth}/{config.top_k}/{config.total_tokens}"
+        label = TreeShape(config.mode, config.depth, config.top_k, config.total_tokens,
+                          lookup=config.lookup).label()
         return f"auto: {label}" if name == "auto" else label
 
 
-def mean_reach(target, tokenizer, drafts: dict, eos_token_ids, n_prompts: int,
-               benchmarks, skip: int) -> dict[int, list[float]]:
-    """The drafts' mean reach on ``n_prompts`` held-out first turns of ``benchmarks`` (taken
-    in turn from each, after the first ``skip`` of each: those an evaluation decodes)."""
+def held_out_texts(target, tokenizer, eos_token_ids, n_prompts: int, benchmarks,
+                   skip: int) -> list[tuple[torch.Tensor, int]]:
+    """Greedy replies to ``n_prompts`` held-out first turns of ``benchmarks`` (taken in turn
+    from each, after the first ``skip`` of each: those an evaluation decodes)."""
     device = target.get_input_embeddings().weight.device
     prompts = [p.to(device) for p in costmodel.held_out_prompts(tokenizer, n_prompts, benchmarks,
                                                                 skip)]
-    texts = costmodel.greedy_texts(target, prompts, eos_token_ids=eos_token_ids)
+    return costmodel.greedy_texts(target, prompts, eos_token_ids=eos_token_ids)
+
+
+def mean_reach(target, drafts: dict, texts) -> dict[int, list[float]]:
+    """The drafts' mean reach on ``held_out_texts``: {top_k: [P(first d accepted)]}."""
     reaches = [costmodel.held_out_acceptance(target, draft, texts) for draft in drafts.values()]
     return {k: torch.tensor([r[k] for r in reaches]).mean(0).tolist() for k in reaches[0]}
 
@@ -104,24 +109,29 @@ def route_context(target, drafts: dict, routes: str, model: str):
 
 
 def compare(target, tokenizer, drafts: dict, config: EvalConfig, eos_token_ids, *,
-            routes: str = "measured", acceptance_prompts: int = 16, out_dir=None,
-            run_name: str = "speculative") -> Comparison:
+            routes: str = "measured", acceptance_prompts: int = 16, lookup: bool = False,
+            out_dir=None, run_name: str = "speculative") -> Comparison:
     """Decode ``config``'s prompts with the fixed shape of ``config`` (peers as configured)
     and with the auto shape (no peers), both under ``routes``.
 
     drafts: {label: Eagle3Draft of ``target``}. Records resume per pass in ``evaluate``'s
     run folders ``out_dir/<run_name>-<pass>-<key>/``. The auto shape rests on held-out
     prompts of ``config``'s own benchmarks, past the ones it decodes: fitted on the kind of
-    text it is timed on, never on that text itself.
+    text it is timed on, never on that text itself. lookup: the auto shape may add
+    prompt-lookup rounds (``costmodel.auto_lookup``; the speed comparisons) — off where
+    drafts are compared with each other, since lookup rounds do not use the draft.
     """
     if not drafts:
         raise ValueError("compare needs at least one draft")
     with route_context(target, drafts, routes, config.model) as tables:
-        reach = mean_reach(target, tokenizer, drafts, eos_token_ids, acceptance_prompts,
-                           config.benchmarks, config.n_prompts)
+        texts = held_out_texts(target, tokenizer, eos_token_ids, acceptance_prompts,
+                               config.benchmarks, config.n_prompts)
+        reach = mean_reach(target, drafts, texts)
         first = next(iter(drafts.values()))
         shapes = {"fixed": _predicted(target, first, reach, config),
                   "auto": costmodel.auto_shape(target, first, reach)}
+        if lookup:
+            shapes["auto"] = costmodel.auto_lookup(target, first, shapes["auto"], texts)
         configs = {"fixed": config,
                    "auto": dataclasses.replace(config, peers=False, **shapes["auto"].settings())}
         runs = {name: {**evaluate(target, tokenizer, drafts, pass_config, list(eos_token_ids),
@@ -134,7 +144,8 @@ def compare(target, tokenizer, drafts: dict, config: EvalConfig, eos_token_ids, 
 def _predicted(target, draft, reach, config: EvalConfig) -> TreeShape:
     """The fixed shape of ``config`` with the cost model's prediction (NaN when the shape
     lies past the measured cost curves)."""
-    shape = TreeShape(config.mode, config.depth, config.top_k, config.total_tokens)
+    shape = TreeShape(config.mode, config.depth, config.top_k, config.total_tokens,
+                      lookup=config.lookup)
     try:
         return costmodel.predict(target, draft, reach, shape)
     except ValueError:

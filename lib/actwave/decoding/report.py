@@ -31,14 +31,18 @@ def bootstrap_ci(statistic: Callable[[np.ndarray], np.ndarray], n_units: int, n_
 
 
 def _per_prompt(records: pd.DataFrame) -> pd.DataFrame:
-    """Sums per (benchmark, prompt, method): tokens, seconds, emitted, rounds, exact turns."""
+    """Sums per (benchmark, prompt, method): tokens, seconds, emitted, rounds, lookup rounds,
+    exact turns."""
+    lookup = records["lookup_rounds"] if "lookup_rounds" in records else None
     frame = records.assign(
         emitted=records["n_tokens"] - 1,
         rounds=pd.to_numeric(records["target_forwards"], errors="coerce") - 1,
+        lookup_rounds=pd.to_numeric(lookup, errors="coerce") if lookup is not None else np.nan,
         exact=records["exact_match"].astype(float), turns=1)
     return frame.groupby(["benchmark", "prompt_id", "method"], sort=True)[
-        ["n_tokens", "seconds", "emitted", "rounds", "exact", "turns", "match_prefix"]
-    ].sum().reset_index()
+        ["n_tokens", "seconds", "emitted", "rounds", "lookup_rounds", "exact", "turns",
+         "match_prefix"]
+    ].sum(min_count=1).reset_index()
 
 
 def _method_row(mine: pd.DataFrame, greedy: pd.DataFrame, n_bootstrap: int, seed: int) -> dict:
@@ -62,6 +66,9 @@ def _method_row(mine: pd.DataFrame, greedy: pd.DataFrame, n_bootstrap: int, seed
            # share of greedy's tokens reproduced before the first divergence (bf16 near-ties)
            "match_prefix_frac": float(mine["match_prefix"].sum() / base_tokens.sum())}
     has_rounds = bool(np.isfinite(rounds).all() and rounds.sum() > 0)
+    # share of rounds that verified a copied chain (actwave.decoding.lookup), drafts only
+    row["lookup_share"] = (float(mine["lookup_rounds"].sum() / rounds.sum())
+                           if has_rounds and mine["lookup_rounds"].notna().all() else np.nan)
     for name, statistic in (("tokens_per_s", rate), ("speedup", speedup), ("tau", tau)):
         if name == "tau" and not has_rounds:
             row.update(tau=np.nan, tau_lo=np.nan, tau_hi=np.nan)

@@ -17,6 +17,11 @@ One round (EAGLE, Li et al. 2024/2025; loop structure after gpt-fast's
    recursive rejection sampling without replacement down the tree (exact in law).
    The target cache keeps the rows of the accepted path, in order.
 
+With ``shape.lookup`` > 0 (greedy), a round whose context repeats an earlier n-gram is a
+*lookup round* (``actwave.decoding.lookup``): steps 1–2 are replaced by the copied chain of
+tokens that followed the earlier occurrence, and the draft catches up over those rounds'
+tokens at its next round.
+
 τ = tokens emitted by verification rounds / verification rounds (bonus included, the
 prefill token excluded), as in EAGLE's evaluation.
 
@@ -38,7 +43,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from actwave.capture.forward import forward_with_states
 from actwave.decoding.timing import SectionClock
-from actwave.decoding.tree import DraftTree, TreeShape, build_tree, target_tree_mask
+from actwave.decoding.lookup import NgramIndex
+from actwave.decoding.tree import DraftTree, TreeShape, build_tree, target_tree_mask, token_chain
 
 SECTIONS = ("prefill", "catch_up", "tree", "verify", "accept")
 PACKED_ATTENTION = "actwave_packed_gqa"
@@ -49,7 +55,8 @@ class SpecResult:
     """tokens: new ids (stopping at and including EOS); accept_counts[a] = rounds that
     accepted a draft tokens; timings in seconds per section (``SECTIONS``: prefill, draft
     catch-up, tree drafting, verification forward, acceptance + cache bookkeeping) and
-    total; shape: the tree used (with the cost model's prediction when it picked it)."""
+    total; shape: the tree used (with the cost model's prediction when it picked it);
+    lookup_rounds: rounds that verified a copied chain instead of a draft tree."""
 
     tokens: list[int]
     tau: float
@@ -58,6 +65,7 @@ class SpecResult:
     draft_forwards: int
     timings: dict[str, float] = field(default_factory=dict)
     shape: TreeShape = field(default_factory=TreeShape)
+    lookup_rounds: int = 0
 
 
 @dataclass
@@ -284,6 +292,10 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *,
     if not isinstance(shape, TreeShape):
         raise ValueError(f"shape must be a TreeShape, got {type(shape).__name__}")
     _check_temperature(temperature)
+    if shape.lookup and temperature != 0.0:
+        raise ValueError(f"shape.lookup={shape.lookup} needs temperature 0 (greedy): a copied "
+                         f"chain has no draft distribution to rejection-sample against, got "
+                         f"temperature={temperature!r}")
     draft.check_target(target)
     device, eos = input_ids.device, set(int(t) for t in eos_token_ids)
     generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
@@ -296,35 +308,48 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *,
     pending_ids, pending_start = input_ids[0, 1:].tolist() + tokens, 0
     accepted: Counter = Counter()
     draft_forwards = 0
+    history = NgramIndex(input_ids[0].tolist() + tokens) if shape.lookup else None
+    lookup_rounds = 0
     tick = clock.lap("prefill", clock.start)
     # a stop token ends the run wherever a round accepted it, not only as its last token
     while len(tokens) < max_new_tokens and eos.isdisjoint(tokens):
-        positions = torch.arange(pending_start, committed, device=device)[None]
-        hidden = draft.fuse(states.to(draft.fc.weight.dtype))  # (1, m, H)
-        out = draft(torch.tensor([pending_ids], device=device), hidden, positions, None,
-                    draft_cache, logits_to_keep=1)
-        tick = clock.lap("catch_up", tick)
-        drafted, expansions = build_tree(draft, draft_cache, tokens[-1], out.logits[0, -1],
-                                         out.hidden[0, -1], depth=shape.depth, top_k=shape.top_k,
-                                         total_tokens=shape.total_tokens, temperature=temperature,
-                                         generator=generator)
-        draft_forwards += 1 + expansions
+        copied = history.propose(shape.lookup) if history else []
+        if copied:  # a lookup round: the draft's catch-up waits for its next round
+            drafted = token_chain(torch.tensor(tokens[-1:] + copied, device=device))
+            lookup_rounds += 1
+        else:
+            positions = torch.arange(pending_start, committed, device=device)[None]
+            hidden = draft.fuse(states.to(draft.fc.weight.dtype))  # (1, m, H)
+            out = draft(torch.tensor([pending_ids], device=device), hidden, positions, None,
+                        draft_cache, logits_to_keep=1)
+            tick = clock.lap("catch_up", tick)
+            drafted, expansions = build_tree(draft, draft_cache, tokens[-1], out.logits[0, -1],
+                                             out.hidden[0, -1], depth=shape.depth,
+                                             top_k=shape.top_k, total_tokens=shape.total_tokens,
+                                             temperature=temperature, generator=generator)
+            draft_forwards += 1 + expansions
+            pending_ids, pending_start, states = [], committed, states[:, :0]
         tick = clock.lap("tree", tick)
-        logits, states = verify_forward(target, draft.layer_ids, drafted, target_cache, committed)
+        logits, round_states = verify_forward(target, draft.layer_ids, drafted, target_cache,
+                                              committed)
         tick = clock.lap("verify", tick)
-        new_tokens, states = accept_round(drafted, logits, states, target_cache, committed,
-                                          temperature, draft, generator)
+        new_tokens, round_states = accept_round(drafted, logits, round_states, target_cache,
+                                                committed, temperature, draft, generator)
         accepted[len(new_tokens) - 1] += 1
-        pending_ids, pending_start = new_tokens, committed
+        pending_ids = pending_ids + new_tokens  # what the draft has yet to catch up on
+        states = torch.cat([states, round_states], dim=1)  # (1, committed' - pending_start, k·D)
         committed += len(new_tokens)
         tokens += new_tokens
+        if history:
+            history.extend(new_tokens)
         tick = clock.lap("accept", tick)
     tokens = _finish_tokens(tokens, max_new_tokens, eos)
     rounds = sum(accepted.values())
     histogram = [accepted[a] for a in range(max(accepted, default=-1) + 1)]
     return SpecResult(tokens=tokens, tau=(len(tokens) - 1) / rounds if rounds else float("nan"),
                       accept_counts=histogram, target_forwards=1 + rounds,
-                      draft_forwards=draft_forwards, timings=clock.finish(), shape=shape)
+                      draft_forwards=draft_forwards, timings=clock.finish(), shape=shape,
+                      lookup_rounds=lookup_rounds)
 
 
 @torch.no_grad()

@@ -45,6 +45,14 @@ class DraftTree:
         return len(self.parents)
 
 
+def token_chain(tokens: torch.Tensor) -> DraftTree:
+    """The chain tree tokens[0] (root) -> tokens[1] -> ...: tokens (n,) on the device wanted."""
+    n = len(tokens)
+    return DraftTree(tokens=tokens, depths=torch.arange(n, device=tokens.device),
+                     parents=[-1] + list(range(n - 1)),
+                     children=[[i + 1] for i in range(n - 1)] + [[]])
+
+
 def ancestor_mask(parents: list[int], device=None) -> torch.Tensor:
     """(n, n) bool: [i, j] True iff node j is node i or one of its ancestors."""
     return _ancestor_mask(tuple(parents), torch.device(device or "cpu"))
@@ -246,6 +254,8 @@ class TreeShape:
     1 and depth + 1); "tree": EAGLE-2 dynamic tree, ``top_k`` children per expanded node,
     ``depth`` levels, ``total_tokens`` tree tokens including the root. The default is the
     fixed tree; ``actwave.decoding.costmodel.auto_shape`` picks one for a draft and machine.
+    lookup > 0 (greedy only): a round whose context repeats an earlier n-gram verifies the
+    <= lookup tokens that followed it instead of a draft tree (``actwave.decoding.lookup``).
     """
 
     mode: str = "tree"
@@ -255,11 +265,12 @@ class TreeShape:
     expected_tokens: float = float("nan")
     round_seconds: float = float("nan")
     predicted_speedup: float = float("nan")
+    lookup: int = 0
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        for name, low in (("depth", 1), ("top_k", 1), ("total_tokens", 2)):
+        for name, low in (("depth", 1), ("top_k", 1), ("total_tokens", 2), ("lookup", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -268,10 +279,15 @@ class TreeShape:
             object.__setattr__(self, "total_tokens", self.depth + 1)
 
     def settings(self) -> dict:
-        """The tree settings alone (mode, depth, top_k, total_tokens), e.g. for an
+        """The shape settings alone (mode, depth, top_k, total_tokens, lookup), e.g. for an
         ``EvalConfig``."""
         return dict(mode=self.mode, depth=self.depth, top_k=self.top_k,
-                    total_tokens=self.total_tokens)
+                    total_tokens=self.total_tokens, lookup=self.lookup)
+
+    def label(self) -> str:
+        """'tree 4/4/16' (mode depth/top-k/total tokens), '+ lookup m' when lookup rounds run."""
+        label = f"{self.mode} {self.depth}/{self.top_k}/{self.total_tokens}"
+        return f"{label} + lookup {self.lookup}" if self.lookup else label
 
 
 def rank_acceptance(reach: Sequence[float] | Mapping[int, Sequence[float]]) -> torch.Tensor:
