@@ -192,9 +192,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{args.draft or 'RANDOM untrained'}")
     print("held-out reach P(first d accepted), top-1:",
           " ".join(f"{x:.3f}" for x in info["acceptance"][1]))
-    print(f"auto tree: {shape.mode} depth {shape.depth}, top-k {shape.top_k}, "
-          f"{shape.total_tokens} tokens; expected {shape.expected_tokens:.2f} tokens per round, "
-          f"predicted speedup {shape.predicted_speedup:.2f}")
+    print(f"auto shape: {shape.label()} (mode depth/top-k/tree tokens); expected "
+          f"{shape.expected_tokens:.2f} tokens per round, predicted speedup "
+          f"{shape.predicted_speedup:.2f}")
     if info["route_gain"]:
         gain = info["route_gain"]
         print(f"linear routes: target {info['tables']['target'].routes}; greedy "
