@@ -10,6 +10,7 @@ from actwave.capture import data
 from actwave.capture.models import stop_token_ids
 from actwave.decoding import linear_routes
 from actwave.decoding.acceptance import decode_walk
+from actwave.decoding.evaluate import benchmark_prompts
 from actwave.decoding.speculative import generate, greedy_generate
 from actwave.decoding.tree import TreeShape
 from actwave.eagle3 import Eagle3Draft
@@ -73,3 +74,17 @@ def test_offline_walk_equals_decoding_tau_on_smollm2(real_case):
     walk_tau, rounds = decode_walk(dict(zip(result.roots.tolist(), result.accepted.tolist())),
                                    prompt.shape[1], len(reply))
     assert rounds == sum(spec.accept_counts) and walk_tau == spec.tau
+
+
+def test_lookup_rounds_equal_greedy_on_a_humaneval_prompt(smollm2, real_case):
+    """A HumanEval reply restates its prompt's code, so lookup rounds run; under the measured
+    routes the output is still SmolLM2's greedy reply."""
+    (target, tokenizer), draft, eos = smollm2, real_case[4], real_case[5]
+    item = benchmark_prompts("humaneval", 1)[0]
+    prompt = torch.tensor([data.prompt_ids(tokenizer, [{"role": "user", "content": item["turns"][0]}])])
+    with under("measured", target, draft):
+        greedy = greedy_generate(target, prompt, 48, eos).tokens
+        spec = generate(target, draft, prompt, 48, eos_token_ids=eos,
+                        shape=TreeShape("tree", 1, 2, 3, lookup=8))
+    assert spec.tokens == greedy
+    assert spec.lookup_rounds > 0 and spec.tau > 1.2
