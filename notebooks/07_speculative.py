@@ -20,7 +20,10 @@
 # formulation measured fastest on this machine (`routes = "measured"`), and two passes — the
 # profile's fixed tree (with HF `generate` greedy and HF prompt lookup as peers) and the
 # *auto* shape the cost model picks from this machine's measured cost curve and the drafts'
-# held-out reach. Each pass has its own plain greedy baseline (same routes, same prompts).
+# held-out reach, plus lookup rounds (`decode_lookup`: a round that copies what followed an
+# earlier occurrence of the last 2–3 tokens, where the cost model expects that to pay; τ and
+# the score correlations below use the fixed pass, which has none). Each pass has its own
+# plain greedy baseline (same routes, same prompts).
 # τ = tokens emitted / verification rounds (bonus included); speedup = tokens/s ÷ our greedy
 # tokens/s; 95% bootstrap CIs over prompts. Raw per-prompt records are saved beside the
 # tables, and a rerun resumes from them.
