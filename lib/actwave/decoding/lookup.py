@@ -14,11 +14,12 @@ draft's catch-up to the next draft round (the draft then catches up over every t
 its last round). Other rounds are ordinary draft rounds. Verification is the same greedy
 acceptance, so the output is still the target's greedy decoding.
 
-A 1-gram match is too weak a signal to skip the draft: on greedy replies to held-out
-MT-bench/HumanEval prompts (SmolLM2-135M, the benchmark draft) lookup rounds triggered by
-≥ 2-gram matches gave more tokens per second than with 1-gram ones, in an offline
-simulation on the cost curve; ``MAX_NGRAM`` = 3 as in HF's default matching.
-``lookup_stats`` gives the cost model what it needs to choose m.
+A 1-gram match is too weak a signal to skip the draft: on greedy replies to MT-bench and
+HumanEval prompts (SmolLM2-135M, the benchmark draft), lookup rounds triggered by ≥ 2-gram
+matches gave more tokens per second than 1-gram ones in a development-time simulation on the
+measured cost curve; the longest match (up to ``MAX_NGRAM`` = 3) is preferred, its
+continuation being the likelier to hold. ``lookup_stats`` gives the cost model what it needs
+to choose m.
 """
 from __future__ import annotations
 
