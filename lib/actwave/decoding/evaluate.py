@@ -87,6 +87,10 @@ class EvalConfig:
         if not self.benchmarks:
             raise ValueError(f"benchmarks must name at least one of {BENCHMARKS}, got ()")
 
+    def shape(self) -> TreeShape:
+        """The draft shape these settings name (no cost-model prediction)."""
+        return TreeShape(self.mode, self.depth, self.top_k, self.total_tokens, lookup=self.lookup)
+
 
 # ----------------------------------------------------------------------------- prompts
 def benchmark_prompts(benchmark: str, n: int) -> list[dict]:
@@ -139,8 +143,7 @@ def _hf_method(target, config: EvalConfig, eos: list[int], **extra) -> Method:
 
 
 def _draft_method(target, draft, config: EvalConfig, eos: list[int]) -> Method:
-    shape = TreeShape(config.mode, config.depth, config.top_k, config.total_tokens,
-                      lookup=config.lookup)
+    shape = config.shape()
 
     def run(input_ids: torch.Tensor) -> dict:
         result = generate(target, draft, input_ids, config.max_new_tokens, shape=shape,

@@ -68,9 +68,7 @@ class Comparison:
 
     def shape_label(self, name: str) -> str:
         """'tree 4/4/16' style label of a pass's shape (mode depth/top-k/total tokens)."""
-        config = self.runs[name]["config"]
-        label = TreeShape(config.mode, config.depth, config.top_k, config.total_tokens,
-                          lookup=config.lookup).label()
+        label = self.runs[name]["config"].shape().label()
         return f"auto: {label}" if name == "auto" else label
 
 
@@ -144,8 +142,7 @@ def compare(target, tokenizer, drafts: dict, config: EvalConfig, eos_token_ids, 
 def _predicted(target, draft, reach, config: EvalConfig) -> TreeShape:
     """The fixed shape of ``config`` with the cost model's prediction (NaN when the shape
     lies past the measured cost curves)."""
-    shape = TreeShape(config.mode, config.depth, config.top_k, config.total_tokens,
-                      lookup=config.lookup)
+    shape = config.shape()
     try:
         return costmodel.predict(target, draft, reach, shape)
     except ValueError:

@@ -33,11 +33,10 @@ def bootstrap_ci(statistic: Callable[[np.ndarray], np.ndarray], n_units: int, n_
 def _per_prompt(records: pd.DataFrame) -> pd.DataFrame:
     """Sums per (benchmark, prompt, method): tokens, seconds, emitted, rounds, lookup rounds,
     exact turns."""
-    lookup = records["lookup_rounds"] if "lookup_rounds" in records else None
     frame = records.assign(
         emitted=records["n_tokens"] - 1,
         rounds=pd.to_numeric(records["target_forwards"], errors="coerce") - 1,
-        lookup_rounds=pd.to_numeric(lookup, errors="coerce") if lookup is not None else np.nan,
+        lookup_rounds=pd.to_numeric(records.get("lookup_rounds", np.nan), errors="coerce"),
         exact=records["exact_match"].astype(float), turns=1)
     return frame.groupby(["benchmark", "prompt_id", "method"], sort=True)[
         ["n_tokens", "seconds", "emitted", "rounds", "lookup_rounds", "exact", "turns",
