@@ -1,12 +1,15 @@
-"""Prompt-lookup rounds: the n-gram index against a brute-force search, the offline stats
-against the index replayed, the cost model's mixed prediction by hand, and decoding with
-lookup rounds equal to plain greedy (random and oracle drafts; Llama, Qwen3, Gemma3)."""
+"""Prompt-lookup rounds: the n-gram index against a brute-force search, the offline walk
+by hand and against real decoding (same rounds, same lookup rounds, same acceptance), the
+cost model's prediction by hand, and decoding with lookup rounds equal to plain greedy
+(random and oracle drafts; Llama, Qwen3, Gemma3)."""
+from collections import Counter
+
 import pytest
 import torch
 
-from actwave.decoding.costmodel import CostCurve, auto_lookup
-from actwave.decoding.lookup import (MAX_NGRAM, MIN_NGRAM, LookupStats, NgramIndex,
-                                     leading_matches, lookup_stats, score_lookup)
+from actwave.decoding.costmodel import CostCurve, auto_lookup, held_out_roots
+from actwave.decoding.lookup import (MAX_NGRAM, MIN_NGRAM, NgramIndex, leading_matches,
+                                     score_walk, walk_rounds)
 from actwave.decoding.report import summarize
 from actwave.decoding.speculative import generate, greedy_generate
 from actwave.decoding.tree import TreeShape
@@ -42,18 +45,18 @@ def test_index_never_matches_the_suffix_itself():
     assert NgramIndex([5, 5]).propose(2) == []  # a 1-gram match is not enough (MIN_NGRAM = 2)
 
 
-def test_stats_replay_the_index_on_greedy_text():
-    texts = [([3, 1, 2, 3, 1, 2, 3, 4, 1, 2, 3, 1], 3), ([9, 9, 9, 9, 9], 1)]
-    stats = lookup_stats(texts, max_tokens=3)
-    expected_proposed, expected_accepted = [], []
-    for ids, start in texts:
-        for root in range(start, len(ids) - 1):
-            chain = brute_force_proposal(ids[:root + 1], 3)
-            expected_proposed.append(len(chain))
-            expected_accepted.append(leading_matches(chain, ids[root + 1:]))
-    assert stats.proposed.tolist() == expected_proposed
-    assert stats.accepted.tolist() == expected_accepted
-    assert stats.accepted.sum() > 0 and (stats.accepted <= stats.proposed).all()
+def test_walk_rounds_by_hand():
+    ids = [3, 1, 2, 3, 1, 2, 3, 4, 9, 9]  # the reply starts at index 3: roots 3..8
+    rounds = walk_rounds(ids, 3, draft_accepted=[0, 1, 0, 0, 0, 0], lookup=4)
+    # root 3 (3 1 2 3): [2, 3] has no earlier end -> draft round, accepts draft_accepted[0] = 0;
+    # root 4 (…3 1): [3, 1] ended at 1 -> copies what followed, as far as the text goes:
+    # [2, 3, 1]; the reply goes on 2 3 4: 2 accepted; root 7 (…3 4) and root 8 (4 9): no
+    # earlier n-gram -> draft rounds accepting draft_accepted[4] = [5] = 0; root 9 ends the text
+    assert rounds == [(0, 0), (3, 2), (0, 0), (0, 0)]
+    assert walk_rounds(ids, 3, [0, 1, 0, 0, 0, 0], lookup=0) == [(0, 0), (0, 1), (0, 0),
+                                                                 (0, 0), (0, 0)]
+    with pytest.raises(ValueError, match="roots"):
+        walk_rounds(ids, 3, [0, 0], lookup=4)
 
 
 def scored_shape(expected=1.5, seconds=1.2):
@@ -61,27 +64,43 @@ def scored_shape(expected=1.5, seconds=1.2):
                      round_seconds=seconds, predicted_speedup=expected / seconds)
 
 
-def test_score_lookup_mixes_lookup_and_draft_rounds_by_hand():
-    stats = LookupStats(proposed=torch.tensor([0, 2, 2, 0]), accepted=torch.tensor([0, 2, 0, 0]))
-    verify = [1.0, 1.1, 1.2, 1.5]
-    shape = score_lookup(scored_shape(), stats, 2, verify, greedy_seconds=1.0)
-    tokens = (1.5 + 3 + 1 + 1.5) / 4
-    seconds = (1.2 + 1.2 + 1.2 + 1.2) / 4  # a 3-token verification (root + 2) costs 1.2
-    assert shape.lookup == 2 and shape.label() == "tree 1/2/3 + lookup 2"
-    assert shape.expected_tokens == pytest.approx(tokens)
-    assert shape.predicted_speedup == pytest.approx(tokens / seconds)
-
-
-@pytest.mark.parametrize("stats,length,match", [
-    (LookupStats(torch.tensor([3]), torch.tensor([1])), 2, "more than lookup=2"),
-    (LookupStats(torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long)), 2,
-     "at least one round root"),
-])
-def test_score_lookup_refuses_bad_stats(stats, length, match):
-    with pytest.raises(ValueError, match=match):
-        score_lookup(scored_shape(), stats, length, [1.0] * 8, 1.0)
+def test_score_walk_by_hand():
+    texts = [([3, 1, 2, 3, 1, 2, 3, 4, 9, 9], 3, [0, 1, 0, 0, 0, 0])]
+    verify = [1.0, 1.1, 1.2, 1.5, 1.7, 2.0]
+    shape = score_walk(scored_shape(), texts, 4, verify, greedy_seconds=1.0)
+    # rounds as in test_walk_rounds_by_hand: three draft rounds (1.2 s each) and one lookup
+    # round verifying 1 + 3 tokens (1.5 s); 6 tokens after the prefill's first
+    assert shape.lookup == 4 and shape.label() == "tree 1/2/3 + lookup 4"
+    assert shape.expected_tokens == pytest.approx(6 / 4)
+    assert shape.round_seconds == pytest.approx((3 * 1.2 + 1.5) / 4)
+    assert shape.predicted_speedup == pytest.approx(6 / (3 * 1.2 + 1.5))
+    draft_only = score_walk(scored_shape(), texts, 0, verify, greedy_seconds=1.0)
+    assert draft_only.lookup == 0 and draft_only.expected_tokens == pytest.approx(6 / 5)
     with pytest.raises(ValueError, match="scored"):
-        score_lookup(TreeShape(), LookupStats(torch.tensor([0]), torch.tensor([0])), 2, [1.0] * 8, 1.0)
+        score_walk(TreeShape(), texts, 2, verify, 1.0)
+    with pytest.raises(ValueError, match="verify curve"):
+        score_walk(scored_shape(), texts, 6, verify, 1.0)
+
+
+@pytest.mark.parametrize("shape", [TreeShape("chain", depth=3, lookup=4),
+                                   TreeShape("tree", depth=1, top_k=2, total_tokens=3, lookup=3)])
+def test_walk_is_what_decoding_runs(target, shape):
+    """On the target's greedy text, the walk over offline per-root acceptance runs the rounds
+    decoding runs: the same number, the same lookup rounds, the same accepted counts (a chain
+    and a one-level tree, where per-root top-k acceptance is exact)."""
+    ids = looping_prompt(target)
+    draft = random_draft(target)
+    result = generate(target, draft, ids, 40, shape=shape)
+    text = torch.cat([ids[0], torch.tensor(result.tokens)])
+    accepted, = held_out_roots(target, draft, [(text, ids.shape[1])], shape.depth, shape.top_k)
+    rounds = walk_rounds(text.tolist(), ids.shape[1], accepted.tolist(), shape.lookup)
+    assert len(rounds) == result.target_forwards - 1
+    assert sum(m > 0 for m, _ in rounds) == result.lookup_rounds > 0
+    decoded = Counter({a: n for a, n in enumerate(result.accept_counts) if n})
+    walked = Counter(a for _, a in rounds[:-1])
+    # the last round may accept past the text's end in decoding (cut there), not in the walk
+    last, = (decoded - walked).elements()
+    assert walked + Counter([last]) == decoded and last >= rounds[-1][1]
 
 
 def curve(verify):
@@ -98,7 +117,7 @@ def test_auto_lookup_takes_lookup_on_repetitive_text_and_leaves_fresh_text_alone
     shape = scored_shape()
     picked = auto_lookup(llama, draft, shape, repetitive, costs=costs)
     assert picked.lookup >= 4 and picked.predicted_speedup > shape.predicted_speedup
-    assert auto_lookup(llama, draft, shape, fresh, costs=costs) == shape
+    assert auto_lookup(llama, draft, shape, fresh, costs=costs).lookup == 0
 
 
 def looping_prompt(target):

@@ -28,7 +28,7 @@ from actwave.config import artifact_dir, atomic_write_json
 from actwave.decoding import linear_routes
 from actwave.decoding.acceptance import sequence_acceptance
 from actwave.decoding.evaluate import benchmark_prompts
-from actwave.decoding.lookup import lookup_stats, score_lookup
+from actwave.decoding.lookup import score_walk
 from actwave.decoding.speculative import accept_round, greedy_generate, verify_forward
 from actwave.decoding.timing import synchronize
 from actwave.decoding.tree import (DraftTree, TreeShape, build_tree, choose_shape, rank_acceptance,
@@ -224,16 +224,19 @@ def predict(target, draft, acceptance, shape: TreeShape,
 
 def auto_lookup(target, draft, shape: TreeShape, texts: list[tuple[torch.Tensor, int]],
                 costs: CostCurve | None = None, candidates=LOOKUP_TOKENS) -> TreeShape:
-    """``shape`` (scored by ``auto_shape``) with the lookup length among ``candidates`` (0 =
-    no lookup rounds) that the cost model expects to be fastest on the greedy ``texts``
-    (``greedy_texts`` of held-out prompts; ``actwave.decoding.lookup.score_lookup``)."""
+    """``shape`` (scored by ``auto_shape``) with the lookup length among ``candidates`` or 0
+    (no lookup rounds) that the cost model expects to be fastest on the greedy ``texts``
+    (``greedy_texts`` of held-out prompts), every option predicted by the same decoding walk
+    over those texts (``actwave.decoding.lookup.score_walk``; the draft's per-root acceptance
+    with the shape's depth and top-k: exact for chains and one-level trees, optimistic for
+    deeper EAGLE-2 trees, which keep only some of the top-k paths)."""
     verify_seconds, _, _, greedy_seconds = _curves(target, draft, costs)
-    id_texts = [(text.tolist(), start) for text, start in texts]
-    best = shape
+    walk_texts = [(text.tolist(), start, accepted.tolist()) for (text, start), accepted in
+                  zip(texts, held_out_roots(target, draft, texts, shape.depth, shape.top_k))]
+    best = score_walk(shape, walk_texts, 0, verify_seconds, greedy_seconds)
     for length in candidates:
         if 0 < length < len(verify_seconds):
-            scored = score_lookup(shape, lookup_stats(id_texts, length), length, verify_seconds,
-                                  greedy_seconds)
+            scored = score_walk(shape, walk_texts, length, verify_seconds, greedy_seconds)
             if scored.predicted_speedup > best.predicted_speedup:
                 best = scored
     return best
@@ -273,6 +276,15 @@ def greedy_texts(target, prompts: list[torch.Tensor], max_new_tokens: int = 64,
     return texts
 
 
+def _text_acceptance(target, draft, text: torch.Tensor, reply_start: int, depth: int,
+                     top_ks: tuple[int, ...]):
+    """``sequence_acceptance`` of one greedy text (L,) from its reply on: one per top-k."""
+    logits, states, _ = forward_with_states(target, draft.layer_ids, text[None])
+    in_reply = torch.arange(len(text), device=text.device) >= reply_start
+    return sequence_acceptance(draft, states[0], text, logits[0].argmax(-1), in_reply, depth,
+                               top_k=top_ks)
+
+
 @torch.no_grad()
 def held_out_acceptance(target, draft, texts: list[tuple[torch.Tensor, int]], depth: int = 8,
                         top_ks=(1, 2, 4, 8)) -> dict[int, list[float]]:
@@ -285,13 +297,27 @@ def held_out_acceptance(target, draft, texts: list[tuple[torch.Tensor, int]], de
     reached = {k: torch.zeros(depth) for k in top_ks}
     roots = 0
     for text, reply_start in texts:
-        logits, states, _ = forward_with_states(target, draft.layer_ids, text[None])
-        in_reply = torch.arange(len(text), device=text.device) >= reply_start
-        for k in top_ks:
-            result = sequence_acceptance(draft, states[0], text, logits[0].argmax(-1), in_reply,
-                                         depth, top_k=k)
+        results = _text_acceptance(target, draft, text, reply_start, depth, tuple(top_ks))
+        for k, result in zip(top_ks, results):
             reached[k] += result.reached.float().cpu()
-        roots += result.n_roots
+        roots += results[0].n_roots
     if roots == 0:
         raise ValueError(f"no round roots in {len(texts)} held-out replies: need replies of >= 2 tokens")
     return {k: (values / roots).tolist() for k, values in reached.items()}
+
+
+@torch.no_grad()
+def held_out_roots(target, draft, texts: list[tuple[torch.Tensor, int]], depth: int,
+                   top_k: int) -> list[torch.Tensor]:
+    """Per greedy text (``greedy_texts``), the tokens a draft round accepts at each root
+    (reply start .. L − 2): (R,) leading hits of the draft's top-``top_k`` proposals over
+    ``depth`` steps — the per-root input of ``lookup.score_walk``."""
+    accepted = []
+    for text, reply_start in texts:
+        result, = _text_acceptance(target, draft, text, reply_start, depth, (top_k,))
+        expected_roots = list(range(reply_start, len(text) - 1))
+        if result.roots.tolist() != expected_roots:  # a root the walk needs is missing
+            raise ValueError(f"roots {result.roots.tolist()} are not the reply's "
+                             f"{reply_start}..{len(text) - 2}")
+        accepted.append(result.accepted)
+    return accepted

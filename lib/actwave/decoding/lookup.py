@@ -18,16 +18,14 @@ A 1-gram match is too weak a signal to skip the draft: on greedy replies to MT-b
 HumanEval prompts (SmolLM2-135M, the benchmark draft), lookup rounds triggered by ≥ 2-gram
 matches gave more tokens per second than 1-gram ones in a development-time simulation on the
 measured cost curve; the longest match (up to ``MAX_NGRAM`` = 3) is preferred, its
-continuation being the likelier to hold. ``lookup_stats`` gives the cost model what it needs
-to choose m.
+continuation being the likelier to hold. ``score_walk`` predicts, for the cost model's
+choice of m, how fast decoding runs on greedy text with lookup rounds of <= m tokens.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 from typing import Sequence
-
-import torch
 
 from actwave.decoding.tree import TreeShape
 
@@ -78,58 +76,61 @@ def leading_matches(proposal: list[int], text: list[int]) -> int:
     return count
 
 
-@dataclass
-class LookupStats:
-    """Per round root of greedy texts (R roots in all): whether a lookup round would run,
-    its chain length and how many of its tokens greedy verification accepts (all (R,) int).
+def walk_rounds(ids: list[int], reply_start: int, draft_accepted: Sequence[int],
+                lookup: int) -> list[tuple[int, int]]:
+    """The rounds that greedy decoding with lookup rounds of <= ``lookup`` tokens runs over
+    ``ids`` (prompt + the target's greedy reply, the reply from index ``reply_start``), as
+    ``speculative.generate`` would: per round (the copied chain's length, 0 for a draft round;
+    the tokens verification accepts).
+
+    draft_accepted[i]: tokens a draft round accepts at root ``reply_start + i`` (one entry
+    per root: reply_start .. len(ids) − 2; offline acceptance, exact on greedy text). A
+    round at root c proposes from the n-grams of ids[: c + 1] (prompt included), accepts its
+    leading matches with the text, and the next round's root is c + accepted + 1 — the
+    decoding walk of ``acceptance.decode_walk`` with lookup rounds mixed in.
     """
-
-    proposed: torch.Tensor
-    accepted: torch.Tensor
-
-    @property
-    def triggered(self) -> torch.Tensor:
-        return self.proposed > 0
-
-
-def lookup_stats(texts: list[tuple[list[int], int]], max_tokens: int) -> LookupStats:
-    """Lookup rounds at every root of greedy ``texts`` [(prompt + greedy reply ids, index of
-    the reply's first token)]: root c = position of the last emitted token, from the reply's
-    first token to the one before the last (as ``acceptance.sequence_acceptance``); on the
-    target's greedy text, accepted = leading matches with the text (exact)."""
-    proposed, accepted = [], []
-    for ids, reply_start in texts:
-        index = NgramIndex(ids[:reply_start + 1])
-        for root in range(reply_start, len(ids) - 1):
-            chain = index.propose(max_tokens)
-            proposed.append(len(chain))
-            accepted.append(leading_matches(chain, ids[root + 1:]))
-            index.extend([ids[root + 1]])
-    return LookupStats(torch.tensor(proposed, dtype=torch.long),
-                       torch.tensor(accepted, dtype=torch.long))
+    if len(draft_accepted) != len(ids) - reply_start - 1:
+        raise ValueError(f"draft_accepted has {len(draft_accepted)} roots; the reply from "
+                         f"{reply_start} of {len(ids)} tokens has {len(ids) - reply_start - 1}")
+    index = NgramIndex(ids[:reply_start + 1])
+    root, rounds = reply_start, []
+    while root < len(ids) - 1:
+        chain = index.propose(lookup) if lookup else []
+        accepted = (leading_matches(chain, ids[root + 1:]) if chain
+                    else int(draft_accepted[root - reply_start]))
+        rounds.append((len(chain), accepted))
+        index.extend(ids[root + 1:root + 2 + accepted])
+        root += accepted + 1
+    return rounds
 
 
-
-def score_lookup(shape: TreeShape, stats: LookupStats, lookup: int,
-                 verify_seconds: Sequence[float], greedy_seconds: float) -> TreeShape:
+def score_walk(shape: TreeShape, texts: list[tuple[list[int], int, Sequence[int]]], lookup: int,
+               verify_seconds: Sequence[float], greedy_seconds: float) -> TreeShape:
     """``shape`` (a draft tree the cost model scored) with lookup rounds of <= ``lookup``
-    tokens: at each root (R roots), a triggered lookup round emits 1 + accepted tokens for a
-    verification over 1 + proposed tokens; any other root is a draft round as ``shape``
-    predicts. ``stats``: ``lookup_stats(texts, lookup)``; verify_seconds[n - 1]: one
-    verification over n tokens; -> the shape with ``lookup`` and the mixed prediction."""
+    tokens (0: none), predicted by walking greedy ``texts`` [(ids, reply_start,
+    draft_accepted), as ``walk_rounds``] round by round: a lookup round of m tokens costs
+    one verification over 1 + m tokens (verify_seconds[n − 1]: over n), a draft round the
+    shape's ``round_seconds``. -> the shape with ``lookup`` and the walk's tokens per round,
+    seconds per round and speedup (greedy emits the same tokens one ``greedy_seconds`` each).
+
+    A walk rather than an average over every root: a round that accepts many tokens skips
+    the roots inside them, so an average over roots weighs long lookup rounds as often as
+    the text offers them, not as often as decoding runs them.
+    """
     if math.isnan(shape.expected_tokens) or math.isnan(shape.round_seconds):
-        raise ValueError(f"score_lookup needs a shape the cost model scored, got {shape}")
-    if stats.proposed.numel() == 0:
-        raise ValueError("score_lookup needs lookup stats of at least one round root")
-    longest = int(stats.proposed.max())
-    if longest > lookup or longest >= len(verify_seconds):
-        raise ValueError(f"lookup chains of {longest} tokens: more than lookup={lookup} or past "
-                         f"the verify curve ({len(verify_seconds)} sizes)")
-    verify = torch.tensor(list(verify_seconds), dtype=torch.float64)
-    triggered = stats.triggered
-    tokens = torch.where(triggered, 1.0 + stats.accepted.double(), shape.expected_tokens)  # (R,)
-    seconds = torch.where(triggered, verify[stats.proposed], shape.round_seconds)  # (R,)
-    expected, round_seconds = float(tokens.mean()), float(seconds.mean())
-    return replace(shape, lookup=lookup, expected_tokens=expected,
-                               round_seconds=round_seconds,
-                               predicted_speedup=expected / round_seconds * greedy_seconds)
+        raise ValueError(f"score_walk needs a shape the cost model scored, got {shape}")
+    if not 0 <= lookup < len(verify_seconds):
+        raise ValueError(f"lookup={lookup}: a lookup round verifies 1 + lookup tokens and the "
+                         f"verify curve has {len(verify_seconds)} sizes")
+    tokens = rounds = 0
+    seconds = 0.0
+    for ids, reply_start, draft_accepted in texts:
+        chains = walk_rounds(ids, reply_start, draft_accepted, lookup)
+        tokens += len(ids) - reply_start - 1  # the prefill emits the first reply token
+        rounds += len(chains)
+        seconds += sum(verify_seconds[m] if m else shape.round_seconds for m, _ in chains)
+    if rounds == 0:
+        raise ValueError("score_walk needs greedy texts with replies of >= 2 tokens")
+    return replace(shape, lookup=lookup, expected_tokens=tokens / rounds,
+                   round_seconds=seconds / rounds,
+                   predicted_speedup=tokens * greedy_seconds / seconds)
