@@ -55,7 +55,8 @@ longrun_eval_conversations = 400
 longrun_max_jobs = -1  # -1: every missing job; 0: report the committed records only
 n_bootstrap = 1000
 n_permutations = 10000
-# decoding check of the seed-0 drafts at the largest budget (EvalConfig; chain depth = ttt_steps)
+# decoding check of one seed's drafts at the largest budget (EvalConfig; chain depth = ttt_steps)
+longrun_decode_seed = 1
 eval_dtype = "float32"
 benchmarks = "mtbench,humaneval,sharegpt"
 longrun_decode_prompts = 20  # per benchmark
@@ -74,7 +75,7 @@ from actwave.capture import models as model_zoo
 from actwave.capture.store import analysis_captures
 from actwave.notebook import notebook_setup
 from actwave.profile import build, section
-from actwave.study import longrun, report, runs
+from actwave.study import longdecode, longrun, report, runs
 
 NOTEBOOK, model_names, results_dir, _ = notebook_setup("12_study_long", profile, models)
 labels = longrun_sets if longrun_sets in ("", "all") else longrun_sets.split(",")
@@ -156,16 +157,18 @@ if proxy_tables:
 
 # %% [markdown]
 # ## Decoding check: the trained drafts at the largest budget
-# Every set's draft at the largest budget, of the lowest seed that has all of them on this
-# machine (`longrun.decoding_seed`; the tables' `seed` column), decodes MT-bench, HumanEval
-# and held-out ShareGPT prompts through the benchmarks' comparison
+# Every set's draft of seed `longrun_decode_seed` at the largest budget decodes MT-bench,
+# HumanEval and held-out ShareGPT prompts through the benchmarks' comparison
 # (`actwave.decoding.fastpath`: the chain of depth `ttt_steps`, and the auto shape, under
-# the measured linear routes), with speedups
-# and bootstrap CIs vs our routed greedy. `walk`: per chain record, the offline walk over the
-# same greedy text (one target forward, per-position acceptance) against the decoding τ;
-# `equal` must hold for every record in float32. The drafts live only in the cache of the
-# machine that trained them: where no seed has them all (a fresh clone) the check is skipped
-# and the committed decoding tables stay as they are.
+# the measured linear routes), with speedups and bootstrap CIs vs our routed greedy. A draft
+# lives only in the cache of the machine that trained it, so each is decoded alone, on that
+# machine, right after its job (`actwave.study.longdecode`; `actwave longrun` does it, and
+# this cell does it for any such draft here that is not decoded yet); its tables are
+# committed, and this cell gathers them (the `draft_*` columns say which run each row is
+# from; each run has its own greedy reference and auto shape). `walk`: per chain record, the
+# offline walk over the same greedy text (one target forward, per-position acceptance)
+# against the decoding τ; `equal` must hold for every record in float32. SmolLM2's committed
+# tables come from the earlier joint run of its six seed-1 drafts (one shape for all).
 
 # %%
 decoded = {}
@@ -173,26 +176,22 @@ for name in model_names:
     config = build("longrun", globals(), model=name)
     folder = longrun.results_folder(name, results_dir)
     sets = longrun.study_sets(name, labels or None, longrun_seeds, results_dir)
-    eval_config = build("eval", globals(), model=name, n_prompts=longrun_decode_prompts,
-                        max_new_tokens=longrun_decode_new_tokens,
-                        max_prompt_tokens=longrun_decode_max_prompt_tokens, mode="chain",
-                        depth=config.ttt_steps, peers=False)
-    records, set_labels = longrun.load_records(folder), [s.label for s in sets]
-    budget = max(config.budgets)
-    decode_seed = longrun.decoding_seed(records, set_labels, budget, longrun.work_folder(name))
-    if decode_seed is None:
-        print(name, f"no seed has every set's draft at {budget} steps on this machine (drafts "
-              "stay in the cache of the machine that trained them): the committed decoding "
-              "tables are kept")
+    set_labels, budget = [s.label for s in sets], max(config.budgets)
+    records = [r for r in longrun.load_records(folder) if r["label"] in set_labels]
+    fresh = longdecode.decode_due(name, records, budget, longrun_decode_seed, globals(),
+                                  config.ttt_steps, folder, longrun.work_folder(name))
+    result = longdecode.decoded_tables(folder, records, set_labels, budget, longrun_decode_seed)
+    if result is None:
+        print(name, f"no draft of seed {longrun_decode_seed} at {budget} steps is decoded yet: "
+              "the committed decoding tables are kept")
         continue
-    result = longrun.decoding_check(name, records, set_labels, budget, decode_seed, eval_config,
-                                    routes, acceptance_prompts, folder / "decoding")
     decoded[name] = result
     slug = model_zoo.slug(name)
     plots.save_table(result["summary"], f"{NOTEBOOK}_decoding_{slug}", NOTEBOOK, results_dir)
-    walk = result["walk"].groupby(["seed", "label", "benchmark"], as_index=False).agg(
+    walk = result["walk"].groupby(["draft_seed", "label", "benchmark"], as_index=False).agg(
         records=("equal", "size"), equal=("equal", "sum"), decoding_tau=("decoding_tau", "mean"),
         walk_tau=("walk_tau", "mean"))
     plots.save_table(walk, f"{NOTEBOOK}_walk_check_{slug}", NOTEBOOK, results_dir)
-    print(name, f"seed {decode_seed}: offline walk = decoding τ on {int(walk.equal.sum())}/"
-          f"{int(walk.records.sum())} records")
+    print(name, f"seed {longrun_decode_seed}: {walk.label.nunique()}/{len(set_labels)} sets "
+          f"decoded ({len(fresh)} in this run); offline walk = decoding τ on "
+          f"{int(walk.equal.sum())}/{int(walk.records.sum())} records")

@@ -2,10 +2,10 @@
 planner, rank stability and Holm-adjusted comparisons."""
 import json
 import math
-import shutil
 import time
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from conftest import forked, hold_lock, random_sequences, tiny_model, wait_for_lock_record
@@ -17,7 +17,7 @@ from actwave.eagle3 import train as train_mod
 from actwave.eagle3.online import OnlineSource, train_online
 from actwave.eagle3.schedule import WSDSchedule, cost, wsd_factor
 from actwave.eagle3.train import Segment
-from actwave.study import keysets, longrun, longscore, longtext
+from actwave.study import keysets, longdecode, longrun, longscore, longtext
 from actwave.study import report as study_report
 from actwave.study import stats as study_stats
 from actwave.study.runs import StudySet
@@ -159,25 +159,39 @@ def test_records_per_position_acceptance_reproduces_tau_and_walks(tmp_path):
     assert record["data"]["eval"] == "online-eval" and record["schedule"]["branch_start"] == 1
     assert record["machine"]["cpu"] == cpu_name() != ""  # costs are grouped by it
     assert record["data"]["eval_features"] == run.eval.digest
-    draft = longrun.branch_draft(record, target, run.work_dir)  # what item 5 decodes
+    draft = longdecode.branch_draft(record, target, run.work_dir)  # what item 5 decodes
     assert draft.fingerprint() == record["draft_fingerprint"]
     with pytest.raises(ValueError, match="the record scored"):
-        longrun.branch_draft({**record, "draft_fingerprint": "0" * 16}, target, run.work_dir)
+        longdecode.branch_draft({**record, "draft_fingerprint": "0" * 16}, target, run.work_dir)
     with pytest.raises(FileNotFoundError, match="no draft of record"):
-        longrun.branch_draft(record, target, tmp_path / "elsewhere")
-    # a fresh clone holds the record but not the draft: the notebook skips the decoding check;
-    # a machine holding another seed's drafts of every set decodes those
-    label, budget = record["label"], record["budget"]
-    assert longrun.decoding_seed([record], [label], budget, run.work_dir) == 0
-    assert longrun.decoding_seed([record], [label], budget, tmp_path / "elsewhere") is None
-    assert longrun.decoding_seed([record], [label], budget + 1, run.work_dir) is None
-    assert longrun.decoding_seed([record], [label, "other"], budget, run.work_dir) is None
-    absent_seed_zero = {**record, "key": "0" * 12}  # its branch folder is not on this machine
-    seed_one = {**record, "seed": 1}
-    shutil.copytree(longrun.branch_draft_dir(record, run.work_dir),
-                    longrun.branch_draft_dir(seed_one, run.work_dir))
-    assert longrun.decoding_seed([absent_seed_zero, seed_one], [label], budget,
-                                 run.work_dir) == 1
+        longdecode.branch_draft(record, target, tmp_path / "elsewhere")
+
+
+def test_drafts_are_due_for_decoding_where_they_are_until_decoded(tmp_path):
+    """A draft is decoded on the machine that holds it (a fresh clone holds the record, not
+    the draft: nothing is due), once (its run's tables mark it done); the gathered tables
+    are those of the current records' runs."""
+    work, results = tmp_path / "work", tmp_path / "results"
+    record = {"label": "a", "seed": 1, "budget": 8, "key": "k1"}
+    other_seed, elsewhere = {**record, "seed": 2}, {**record, "label": "b"}
+    for held in (record, other_seed):
+        folder = longdecode.branch_draft_dir(held, work)
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+    records = [record, other_seed, elsewhere]
+    assert longdecode.due(records, 8, 1, results, work) == [record]
+    assert longdecode.due(records, 4, 1, results, work) == []
+    assert longdecode.decoded_tables(results, records, ["a", "b"], 8, 1) is None
+    run = longdecode.run_dir(results, record)
+    run.mkdir(parents=True)
+    for name, value in (("summary", 1.2), ("walk", True)):
+        pd.DataFrame({"label": ["a"], "value": [value]}).to_csv(run / f"{name}.csv", index=False)
+    assert longdecode.due(records, 8, 1, results, work) == []
+    tables = longdecode.decoded_tables(results, records, ["a", "b"], 8, 1)
+    assert tables["summary"]["value"].tolist() == [1.2] and tables["walk"]["value"].tolist() == [True]
+    retrained = {**record, "key": "k2"}  # a new record key: its old run is not its tables
+    assert longdecode.decoded_tables(results, [retrained], ["a"], 8, 1) is None
+    assert longdecode.due([retrained], 8, 1, results, work) == []  # its draft is not here
 
 
 def test_positions_round_trip_and_walk_matches_decode_walk():
@@ -208,10 +222,13 @@ def test_deadline_stops_new_jobs_but_keeps_finished_records(tmp_path):
     config = _config()
     jobs = longrun.plan(SETS, config.budgets)
     run = _run(tmp_path, target)
-    first = longrun.run_jobs(jobs, run, max_jobs=1, progress=False)
-    assert len(first) == 1
-    passed = longrun.run_jobs(jobs, run, progress=False, deadline=time.monotonic() - 1)
+    trained = []  # the after-job hook (the worker decodes there) sees jobs it trained only
+    first = longrun.run_jobs(jobs, run, max_jobs=1, progress=False, after=trained.append)
+    assert len(first) == 1 and trained == first
+    passed = longrun.run_jobs(jobs, run, progress=False, deadline=time.monotonic() - 1,
+                              after=trained.append)
     assert [r["key"] for r in passed] == [r["key"] for r in first]  # read, none started
+    assert trained == first
     assert not longrun.record_path(run.results_dir, jobs[1]).exists()
 
 

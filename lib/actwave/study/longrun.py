@@ -51,6 +51,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -296,7 +297,7 @@ def _branch_started(branch: Path) -> bool:
     return (branch / "config.json").exists() or any((branch / "checkpoints").glob("step-*"))
 
 
-def _machine(target) -> dict:
+def machine(target) -> dict:
     """Where the seconds were measured: host, device, threads, and the 1-minute load average
     when the job started (≈ 0 on an idle machine; ``run_job`` adds the one at its end)."""
     return {"host": platform.node(), "processor": platform.processor() or platform.machine(),
@@ -314,7 +315,7 @@ def run_job(job: Job, run: LongRun, progress: bool = False) -> dict:
     existing = load_record(path, key)
     if existing is not None:
         return existing
-    machine = _machine(run.target)
+    where = machine(run.target)
     schedule = run.config.schedule()
     branch = _branch_dir(run, job)
     point = None if _branch_started(branch) else branch_point(run, job, progress)
@@ -338,7 +339,7 @@ def run_job(job: Job, run: LongRun, progress: bool = False) -> dict:
                            "trunk_seconds": result.history[start - 1]["seconds"],
                            "tokens": int(sum(row["tokens"] for row in result.history)),
                            "score_seconds": time.perf_counter() - tic},
-              "machine": {**machine, "load_average_end": os.getloadavg()[0]},
+              "machine": {**where, "load_average_end": os.getloadavg()[0]},
               "draft_fingerprint": result.draft.fingerprint(),
               "offline": offline, "versions": package_versions()}
     atomic_write_json(path, record)
@@ -347,39 +348,13 @@ def run_job(job: Job, run: LongRun, progress: bool = False) -> dict:
     return load_record(path)
 
 
-def branch_draft_dir(record: dict, work_dir: Path) -> Path:
-    """Where the job of ``record`` left the draft it scored (``work_dir/branches``)."""
-    name = f"{record['label']}-s{record['seed']}-b{record['budget']}"
-    return Path(work_dir) / "branches" / f"{name}-{record['key']}" / "draft"
-
-
-def at_seed(records: list[dict], budget: int, seed: int) -> dict[str, dict]:
-    """The records of one ``seed`` at ``budget`` by set label."""
-    return {r["label"]: r for r in records if r["seed"] == seed and r["budget"] == budget}
-
-
-def branch_draft(record: dict, target, work_dir: Path):
-    """The draft a record scored, from the cache (``work_dir/branches``), refused unless its
-    weights are the record's (``draft_fingerprint``); FileNotFoundError when this machine
-    does not hold it (rerun the job after deleting the record to retrain it)."""
-    from actwave.eagle3 import Eagle3Draft
-
-    folder = branch_draft_dir(record, work_dir)
-    if not (folder / "config.json").exists():
-        raise FileNotFoundError(f"no draft of record {record['label']} seed {record['seed']} "
-                                f"budget {record['budget']} at {folder}")
-    draft = Eagle3Draft.load(folder, target)
-    if draft.fingerprint() != record["draft_fingerprint"]:
-        raise ValueError(f"the draft at {folder} has weights {draft.fingerprint()}, the record "
-                         f"scored {record['draft_fingerprint']}")
-    return draft
-
-
 def run_jobs(jobs: list[Job], run: LongRun, max_jobs: int | None = None,
-             progress: bool = True, deadline: float | None = None) -> list[dict]:
+             progress: bool = True, deadline: float | None = None,
+             after: Callable[[dict], object] | None = None) -> list[dict]:
     """``run_job`` over ``jobs`` in order (the first ``max_jobs`` missing ones; none started
     once ``time.monotonic()`` passes ``deadline``, so a lent machine's time is spent on whole
-    records; the job under way when it passes is finished)."""
+    records; the job under way when it passes is finished). ``after(record)`` runs after each
+    job this worker trained (``actwave longrun`` decodes a finished draft there)."""
     records, trained = [], 0
     for job in jobs:
         if max_jobs is not None and trained >= max_jobs:
@@ -397,6 +372,8 @@ def run_jobs(jobs: list[Job], run: LongRun, max_jobs: int | None = None,
                     continue
             trained += not done
             records.append(run_job(job, run, progress))
+            if after is not None and not done:
+                after(records[-1])
         log.info("%s: tau_hat %.4f", job.name, records[-1]["offline"]["tau_hat"])
     return records
 
@@ -424,45 +401,6 @@ def work_folder(model: str) -> Path:
     from actwave.config import cache_dir
 
     return cache_dir() / "longrun" / slug(model)
-
-
-def decoding_seed(records: list[dict], labels, budget: int, work_dir: Path) -> int | None:
-    """The lowest seed whose draft of every set in ``labels`` at ``budget`` is on this machine,
-    or None. Drafts live in the cache of the machine that trained them (58 MB each, not
-    committed), so a fresh clone has the records and tables but no draft to decode; any
-    seed's drafts answer the check, as every seed trains every set on the same batches."""
-    for seed in sorted({r["seed"] for r in records if r["budget"] == budget}):
-        chosen = at_seed(records, budget, seed)
-        if set(labels) <= set(chosen) and all(
-                (branch_draft_dir(chosen[label], work_dir) / "config.json").exists()
-                for label in labels):
-            return seed
-    return None
-
-
-def decoding_check(model: str, records: list[dict], labels, budget: int, seed: int,
-                   eval_config, routes: str, acceptance_prompts: int, out_dir: Path,
-                   work_dir: Path | None = None) -> dict:
-    """The trained drafts decoded: every set's ``seed`` draft at ``budget`` (the largest;
-    ``decoding_seed``) through ``fastpath.compare`` (``eval_config``'s chain, and the auto
-    shape, under ``routes``), and the offline walk of every chain record checked against its
-    decoding τ on the same greedy text (``acceptance.walk_check``). -> {"summary", "walk"},
-    both with a ``seed`` column."""
-    from actwave.capture.models import DTYPES, load, stop_token_ids
-    from actwave.decoding import acceptance, fastpath
-
-    chosen = at_seed(records, budget, seed)
-    target, tokenizer = load(model, dtype=DTYPES[eval_config.dtype])
-    dtype = next(target.parameters()).dtype
-    drafts = {label: branch_draft(chosen[label], target, work_dir or work_folder(model))
-              .to(dtype).eval() for label in labels}
-    comparison = fastpath.compare(target, tokenizer, drafts, eval_config,
-                                  stop_token_ids(tokenizer, model), routes=routes,
-                                  acceptance_prompts=acceptance_prompts, out_dir=out_dir,
-                                  run_name=f"12_decoding_s{seed}")
-    walk = acceptance.walk_check(target, drafts, comparison.runs["fixed"]["records"],
-                                 eval_config.depth)
-    return {"summary": comparison.summary().assign(seed=seed), "walk": walk.assign(seed=seed)}
 
 
 def load_records(folder: Path) -> list[dict]:
@@ -522,7 +460,9 @@ def load_text(model: str, config: LongRunConfig, n_train: int, n_eval: int
 
 # the profile's top-level keys of the long runs, beside its ``longrun`` section
 PROFILE_KEYS = ("longrun_sets", "longrun_seeds", "longrun_train_conversations",
-                "longrun_eval_conversations")
+                "longrun_eval_conversations", "longrun_decode_seed", "longrun_decode_prompts",
+                "longrun_decode_new_tokens", "longrun_decode_max_prompt_tokens", "routes",
+                "acceptance_prompts")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -569,7 +509,20 @@ def main(argv: list[str] | None = None) -> None:
     deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
     run = prepare(args.model, config, sets, values["longrun_train_conversations"],
                   values["longrun_eval_conversations"], results=results)
-    run_jobs(jobs, run, args.max_jobs, deadline=deadline)
+    run_jobs(jobs, run, args.max_jobs, deadline=deadline,
+             after=lambda record: decode_finished(args.model, record, values, config, results))
+
+
+def decode_finished(model: str, record: dict, values, config: LongRunConfig,
+                    results: Path) -> None:
+    """After a job: decode its draft when it is the profile's decoding seed at the largest
+    budget (``longdecode``: on the machine that trained it, before the draft can be lost)."""
+    from actwave.study import longdecode
+
+    budget, seed = max(config.budgets), values["longrun_decode_seed"]
+    if (record["budget"], record["seed"]) == (budget, seed):
+        longdecode.decode_due(model, [record], budget, seed, values, config.ttt_steps, results,
+                              work_folder(model))
 
 
 if __name__ == "__main__":
