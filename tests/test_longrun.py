@@ -546,3 +546,21 @@ def test_key_sets_take_labels_or_aliases_and_the_best_of_each_family():
     assert {s.seeds for s in chosen} == {3}
     with pytest.raises(ValueError, match="no scored random set"):
         keysets.key_sets(sets, {"cka_compartments": 1.2}, seeds=3)
+
+
+def test_the_worker_decodes_only_the_decoding_seed_at_the_largest_budget(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(longdecode, "decode_due", lambda *args: calls.append(args[1][0]["label"]))
+    config, values = _config(), {"longrun_decode_seed": 1}
+    largest = max(config.budgets)
+    for label, seed, budget in (("a", 1, largest), ("b", 0, largest), ("c", 1, largest // 2)):
+        record = {"label": label, "seed": seed, "budget": budget}
+        longrun.decode_finished("tiny", record, values, config, tmp_path)
+    assert calls == ["a"]
+
+    def fails(*args):
+        raise RuntimeError("a prompt the harness refuses")
+
+    monkeypatch.setattr(longdecode, "decode_due", fails)  # logged; the worker trains on
+    longrun.decode_finished("tiny", {"label": "a", "seed": 1, "budget": largest}, values, config,
+                            tmp_path)
