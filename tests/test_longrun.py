@@ -555,12 +555,12 @@ def test_the_worker_decodes_only_the_decoding_seed_at_the_largest_budget(monkeyp
     largest = max(config.budgets)
     for label, seed, budget in (("a", 1, largest), ("b", 0, largest), ("c", 1, largest // 2)):
         record = {"label": label, "seed": seed, "budget": budget}
-        longrun.decode_finished("tiny", record, values, config, tmp_path)
+        longrun.decode_finished("smollm2-135m", record, values, config, tmp_path)
     assert calls == ["a"]
 
     def fails(*args):
         raise RuntimeError("a prompt the harness refuses")
 
     monkeypatch.setattr(longdecode, "decode_due", fails)  # logged; the worker trains on
-    longrun.decode_finished("tiny", {"label": "a", "seed": 1, "budget": largest}, values, config,
-                            tmp_path)
+    longrun.decode_finished("smollm2-135m", {"label": "a", "seed": 1, "budget": largest}, values,
+                            config, tmp_path)

@@ -522,9 +522,10 @@ def decode_finished(model: str, record: dict, values, config: LongRunConfig,
     budget, seed = max(config.budgets), values["longrun_decode_seed"]
     if (record["budget"], record["seed"]) != (budget, seed):
         return
+    work = work_folder(model)
     try:
         longdecode.decode_due(model, [record], budget, seed, values, config.ttt_steps, results,
-                              work_folder(model))
+                              work)
     except Exception:  # the worker's job is training: a failed check must not stop the runs
         log.exception("decoding %s seed %s failed; notebook 12 retries it while the draft is "
                       "on this machine", record["label"], seed)
