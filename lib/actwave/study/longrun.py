@@ -38,7 +38,9 @@ seed) trunk before training it and skips the jobs another live worker holds (``c
 a small CPU two one-thread workers (``OMP_NUM_THREADS=1``) do more than one two-thread
 worker: on 2 cores ~1.2× the work (measured with a long-run worker beside a text
 regeneration, each at one thread, against each alone at two), as a batch-2 draft step does
-not keep two threads busy.
+not keep two threads busy. After a job of the profile's decoding seed at the largest budget,
+the worker decodes that draft (``actwave.study.longdecode``) before a move of machine can
+lose it.
 """
 from __future__ import annotations
 
