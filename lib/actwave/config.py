@@ -92,6 +92,16 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine(device: str) -> dict:
+    """Where seconds were measured: host, CPU, ``device``, torch threads, and the 1-minute
+    load average now (≈ 0 on an idle machine: was anything running beside the job?)."""
+    import torch
+
+    return {"host": platform.node(), "processor": platform.processor() or platform.machine(),
+            "cpu": cpu_name(), "device": device, "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(), "load_average": os.getloadavg()[0]}
+
+
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     """Write to a temp file in the same folder, then rename: never a half-written file."""
     path = Path(path)

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import pandas as pd
 
-from actwave.config import atomic_write_bytes, atomic_write_json
+from actwave.config import atomic_write_bytes, atomic_write_json, machine
 
 log = logging.getLogger(__name__)
 TABLES = ("summary", "walk")
@@ -93,10 +93,9 @@ def decode_draft(model: str, record: dict, eval_config, routes: str, acceptance_
     columns."""
     from actwave.capture.models import DTYPES, load, stop_token_ids
     from actwave.decoding import acceptance, fastpath
-    from actwave.study.longrun import machine
 
     target, tokenizer = load(model, dtype=DTYPES[eval_config.dtype])
-    where = machine(target)
+    where = machine(str(next(target.parameters()).device))
     dtype = next(target.parameters()).dtype
     label = record["label"]
     drafts = {label: branch_draft(record, target, work_dir).to(dtype).eval()}

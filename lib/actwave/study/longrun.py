@@ -48,7 +48,6 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -58,7 +57,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from actwave.config import atomic_write_json, config_hash, cpu_name, package_versions
+from actwave.config import (atomic_write_json, config_hash, cpu_name, machine,
+                            package_versions)
 from actwave.eagle3.features import (FeatureConfig, TargetFeatures, features_root, open_features,
                                      train_from_features)
 from actwave.eagle3.online import OnlineSource
@@ -299,15 +299,6 @@ def _branch_started(branch: Path) -> bool:
     return (branch / "config.json").exists() or any((branch / "checkpoints").glob("step-*"))
 
 
-def machine(target) -> dict:
-    """Where the seconds were measured: host, device, threads, and the 1-minute load average
-    when the job started (≈ 0 on an idle machine; ``run_job`` adds the one at its end)."""
-    return {"host": platform.node(), "processor": platform.processor() or platform.machine(),
-            "cpu": cpu_name(), "device": str(next(target.parameters()).device),
-            "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(), "load_average": os.getloadavg()[0]}
-
-
 def run_job(job: Job, run: LongRun, progress: bool = False) -> dict:
     """Train (or resume, or skip) one job's trunk segment and branch, score the branch and
     write its record; -> the record. The branch point and the branch's checkpoints are
@@ -317,7 +308,7 @@ def run_job(job: Job, run: LongRun, progress: bool = False) -> dict:
     existing = load_record(path, key)
     if existing is not None:
         return existing
-    where = machine(run.target)
+    where = machine(str(next(run.target.parameters()).device))
     schedule = run.config.schedule()
     branch = _branch_dir(run, job)
     point = None if _branch_started(branch) else branch_point(run, job, progress)
