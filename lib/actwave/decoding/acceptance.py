@@ -153,20 +153,25 @@ def decode_walk(accepted_at: dict[int, int], first: int, n_new: int) -> tuple[fl
 
 
 @torch.no_grad()
+def text_acceptance(target, draft, ids: torch.Tensor, reply_start: int, depth: int,
+                    top_k: int | tuple[int, ...] = 1):
+    """``sequence_acceptance`` of one text ``ids`` (L,) (prompt + reply, the reply from
+    ``reply_start``), after one target forward over it for the draft's layers and argmax."""
+    from actwave.capture.forward import forward_with_states
+
+    logits, states, _ = forward_with_states(target, draft.layer_ids, ids[None])
+    in_reply = torch.arange(ids.numel(), device=ids.device) >= reply_start
+    return sequence_acceptance(draft, states[0], ids, logits[0].argmax(-1), in_reply, depth,
+                               top_k=top_k)
+
+
 def text_walk(target, draft, prompt_ids: list[int], reply_ids: list[int],
               depth: int) -> tuple[float, int]:
     """The offline decoding walk (τ, rounds) of ``draft`` over ``reply_ids`` generated after
-    ``prompt_ids``: one target forward over the text, ``sequence_acceptance`` from the
-    reply's first token on, ``decode_walk``. On the target's greedy reply it is the τ chain
-    decoding of depth ``depth`` reports."""
-    from actwave.capture.forward import forward_with_states
-
-    device = draft.fc.weight.device
-    sequence = torch.tensor(list(prompt_ids) + list(reply_ids), device=device)  # (T,)
-    logits, states, _ = forward_with_states(target, draft.layer_ids, sequence[None])
-    in_reply = torch.arange(sequence.numel(), device=device) >= len(prompt_ids)
-    result = sequence_acceptance(draft, states[0], sequence, logits[0].argmax(-1), in_reply,
-                                 depth)
+    ``prompt_ids``: ``text_acceptance`` from the reply's first token on, ``decode_walk``. On
+    the target's greedy reply it is the τ chain decoding of depth ``depth`` reports."""
+    sequence = torch.tensor(list(prompt_ids) + list(reply_ids), device=draft.fc.weight.device)
+    result = text_acceptance(target, draft, sequence, len(prompt_ids), depth)
     return decode_walk(dict(zip(result.roots.tolist(), result.accepted.tolist())),
                        len(prompt_ids), len(reply_ids))
 

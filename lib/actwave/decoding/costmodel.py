@@ -26,7 +26,7 @@ from actwave.capture.forward import forward_with_states
 from actwave.capture.models import slug
 from actwave.config import artifact_dir, atomic_write_json
 from actwave.decoding import linear_routes
-from actwave.decoding.acceptance import sequence_acceptance
+from actwave.decoding.acceptance import text_acceptance
 from actwave.decoding.evaluate import benchmark_prompts
 from actwave.decoding.lookup import score_walk
 from actwave.decoding.speculative import accept_round, greedy_generate, verify_forward
@@ -276,15 +276,6 @@ def greedy_texts(target, prompts: list[torch.Tensor], max_new_tokens: int = 64,
     return texts
 
 
-def _text_acceptance(target, draft, text: torch.Tensor, reply_start: int, depth: int,
-                     top_ks: tuple[int, ...]):
-    """``sequence_acceptance`` of one greedy text (L,) from its reply on: one per top-k."""
-    logits, states, _ = forward_with_states(target, draft.layer_ids, text[None])
-    in_reply = torch.arange(len(text), device=text.device) >= reply_start
-    return sequence_acceptance(draft, states[0], text, logits[0].argmax(-1), in_reply, depth,
-                               top_k=top_ks)
-
-
 @torch.no_grad()
 def held_out_acceptance(target, draft, texts: list[tuple[torch.Tensor, int]], depth: int = 8,
                         top_ks=(1, 2, 4, 8)) -> dict[int, list[float]]:
@@ -297,7 +288,7 @@ def held_out_acceptance(target, draft, texts: list[tuple[torch.Tensor, int]], de
     reached = {k: torch.zeros(depth) for k in top_ks}
     roots = 0
     for text, reply_start in texts:
-        results = _text_acceptance(target, draft, text, reply_start, depth, tuple(top_ks))
+        results = text_acceptance(target, draft, text, reply_start, depth, tuple(top_ks))
         for k, result in zip(top_ks, results):
             reached[k] += result.reached.float().cpu()
         roots += results[0].n_roots
@@ -314,7 +305,7 @@ def held_out_roots(target, draft, texts: list[tuple[torch.Tensor, int]], depth: 
     ``depth`` steps — the per-root input of ``lookup.score_walk``."""
     accepted = []
     for text, reply_start in texts:
-        result, = _text_acceptance(target, draft, text, reply_start, depth, (top_k,))
+        result = text_acceptance(target, draft, text, reply_start, depth, top_k)
         expected_roots = list(range(reply_start, len(text) - 1))
         if result.roots.tolist() != expected_roots:  # a root the walk needs is missing
             raise ValueError(f"roots {result.roots.tolist()} are not the reply's "

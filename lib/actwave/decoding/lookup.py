@@ -24,7 +24,7 @@ choice of m, how fast decoding runs on greedy text with lookup rounds of <= m to
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Sequence
 
 from actwave.decoding.tree import TreeShape
@@ -125,10 +125,10 @@ def score_walk(shape: TreeShape, texts: list[tuple[list[int], int, Sequence[int]
     tokens = rounds = 0
     seconds = 0.0
     for ids, reply_start, draft_accepted in texts:
-        chains = walk_rounds(ids, reply_start, draft_accepted, lookup)
+        walked = walk_rounds(ids, reply_start, draft_accepted, lookup)
         tokens += len(ids) - reply_start - 1  # the prefill emits the first reply token
-        rounds += len(chains)
-        seconds += sum(verify_seconds[m] if m else shape.round_seconds for m, _ in chains)
+        rounds += len(walked)
+        seconds += sum(verify_seconds[m] if m else shape.round_seconds for m, _ in walked)
     if rounds == 0:
         raise ValueError("score_walk needs greedy texts with replies of >= 2 tokens")
     return replace(shape, lookup=lookup, expected_tokens=tokens / rounds,

@@ -31,10 +31,14 @@ log = logging.getLogger(__name__)
 TABLES = ("summary", "walk")
 
 
+def _job_key(record: dict) -> str:
+    """``<label>-s<seed>-b<budget>-<record key>``: one job's folder name."""
+    return f"{record['label']}-s{record['seed']}-b{record['budget']}-{record['key']}"
+
+
 def branch_draft_dir(record: dict, work_dir: Path) -> Path:
     """Where the job of ``record`` left the draft it scored (``work_dir/branches``)."""
-    name = f"{record['label']}-s{record['seed']}-b{record['budget']}"
-    return Path(work_dir) / "branches" / f"{name}-{record['key']}" / "draft"
+    return Path(work_dir) / "branches" / _job_key(record) / "draft"
 
 
 def branch_draft(record: dict, target, work_dir: Path):
@@ -68,8 +72,7 @@ def decoding_config(values: Mapping[str, Any], model: str, depth: int):
 
 def run_dir(folder: Path, record: dict) -> Path:
     """``folder/decoding/<label>-s<seed>-b<budget>-<record key>``: one draft's run."""
-    name = f"{record['label']}-s{record['seed']}-b{record['budget']}-{record['key']}"
-    return Path(folder) / "decoding" / name
+    return Path(folder) / "decoding" / _job_key(record)
 
 
 def is_decoded(folder: Path, record: dict) -> bool:
