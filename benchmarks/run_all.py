@@ -29,24 +29,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the bench_* scripts sit beside this file
 
 from actwave.config import (atomic_write_bytes, atomic_write_json, cache_dir,  # noqa: E402
-                            package_versions, repo_root)
+                            cpu_flags, native_bf16, package_versions, repo_root)
 from actwave.plots import to_markdown  # noqa: E402
 
-
-
-def cpu_flags() -> list[str]:
-    """The CPU's bf16-related feature flags (``/proc/cpuinfo``; empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
-    return sorted(flag for flag in flags if "bf16" in flag or flag in ("avx2", "avx512f", "amx_tile"))
-
-
-# bf16 only where the hardware has it: on AVX2-only CPUs a bf16 matmul is ~200× slower.
-NATIVE_BF16 = torch.cuda.is_available() or any("bf16" in flag for flag in cpu_flags())
+NATIVE_BF16 = native_bf16()
 FAST_DTYPE = "bfloat16" if torch.cuda.is_available() else "float32"
 # Arguments per benchmark and size; each bench_<name>.main(argv) returns summary rows.
 SIZES = {

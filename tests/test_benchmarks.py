@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from actwave.config import repo_root
+from actwave.config import native_bf16, repo_root
 
 
 @pytest.fixture
@@ -118,6 +118,8 @@ def test_bench_draft_trains_on_the_pool_and_resumes_from_the_pin(tmp_path, monke
     record = json.loads((tmp_path / "out" / "draft.json").read_text())
     assert (tmp_path / "cache" / record["draft"] / "config.json").exists()
     assert record["train_config"]["layer_ids"] == [1, 3, 5] and record["train_steps"] == 3
+    native = "bfloat16" if native_bf16() else "float32"  # what "auto" trains in here
+    assert record["budget"]["dtype"] == "auto" and record["train_config"]["dtype"] == native
     assert record["train_seconds"] > 0 and record["train_tokens"] > 0
     assert record["regen_conversations"] == 3 and 0 < record["regen_new_tokens"] <= 3 * 8
     for part in ("train", "held_out"):  # per-TTT-step agreement on 2 seen + 2 held-out sequences
@@ -135,10 +137,11 @@ def test_bench_draft_trains_on_the_pool_and_resumes_from_the_pin(tmp_path, monke
     assert head_random != draft_dir  # the head's init is part of the draft's key
     record = json.loads((tmp_path / "out" / "draft.json").read_text())
     assert record["budget"]["lm_head_init"] == record["train_config"]["lm_head_init"] == "random"
-    in_bf16 = train_draft.main(argv + ["--dtype", "bfloat16"])
-    assert in_bf16 not in (draft_dir, head_random)  # the training dtype is keyed too
+    other = "float32" if native == "bfloat16" else "bfloat16"
+    in_other = train_draft.main(argv + ["--dtype", other])
+    assert in_other not in (draft_dir, head_random)  # the training dtype is keyed too
     record = json.loads((tmp_path / "out" / "draft.json").read_text())
-    assert record["budget"]["dtype"] == record["train_config"]["dtype"] == "bfloat16"
+    assert record["budget"]["dtype"] == record["train_config"]["dtype"] == other
     assert (tmp_path / "cache" / "regenerated").is_dir()
 
 

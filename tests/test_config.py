@@ -181,3 +181,12 @@ def test_explain_default_compares_with_the_combined_method():
     assert f"(entropy_topk set {tuple(sorted(topk))})" in text
     lenient = SelectionConfig(combined_method="entropy_topk", competitive_percentile=0.0)
     assert "is **competitive**" in explain_default(stats, rows, lenient)
+
+
+@pytest.mark.parametrize("flags, native", [(["avx2", "avx512f"], False),
+                                           (["avx2", "avx512_bf16", "avx512f"], True),
+                                           (["amx_bf16", "amx_tile"], True), ([], False)])
+def test_native_bf16_reads_the_cpu_flags(monkeypatch, flags, native):
+    monkeypatch.setattr(config, "cpu_flags", lambda: flags)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert config.native_bf16() is native

@@ -92,6 +92,25 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's bf16-related feature flags (``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    return sorted(flag for flag in flags if "bf16" in flag or flag in ("avx2", "avx512f", "amx_tile"))
+
+
+def native_bf16() -> bool:
+    """Whether bf16 matmuls run in hardware here (a GPU, or a CPU with ``avx512_bf16`` /
+    ``amx_bf16``): on AVX2-only CPUs a bf16 matmul is ~200× slower than fp32."""
+    import torch
+
+    return torch.cuda.is_available() or any("bf16" in flag for flag in cpu_flags())
+
+
 def machine(device: str) -> dict:
     """Where seconds were measured: host, CPU, ``device``, torch threads, and the 1-minute
     load average now (≈ 0 on an idle machine: was anything running beside the job?)."""
