@@ -94,6 +94,26 @@ def _check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
 
 
+def _check_spec_inputs(target, draft, input_ids, max_new_tokens: int, shape,
+                       temperature: float) -> None:
+    """``generate``'s arguments: token ids of the target's vocabulary, a ``TreeShape``,
+    lookup rounds only at temperature 0, a draft made for this target."""
+    _check_inputs(input_ids, max_new_tokens)
+    vocab_size = target.get_input_embeddings().weight.shape[0]
+    if input_ids.is_floating_point() or input_ids.min() < 0 or input_ids.max() >= vocab_size:
+        raise ValueError(f"input_ids must be integer token ids in 0..{vocab_size - 1} (the "
+                         f"target's vocabulary), got {input_ids.dtype} values "
+                         f"{int(input_ids.min())}..{int(input_ids.max())}")
+    if not isinstance(shape, TreeShape):
+        raise ValueError(f"shape must be a TreeShape, got {type(shape).__name__}")
+    _check_temperature(temperature)
+    if shape.lookup and temperature != 0.0:
+        raise ValueError(f"shape.lookup={shape.lookup} needs temperature 0 (greedy): a copied "
+                         f"chain has no draft distribution to rejection-sample against, got "
+                         f"temperature={temperature!r}")
+    draft.check_target(target)
+
+
 def _finish_tokens(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
     """Cut at max_new_tokens and after the first stop token."""
     tokens = tokens[:max_new_tokens]
@@ -283,20 +303,7 @@ def generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, *,
     machine). temperature 0: output equals greedy decoding of the target; > 0: output is
     distributed as the target's sampling. The shape used is ``result.shape``.
     """
-    _check_inputs(input_ids, max_new_tokens)
-    vocab_size = target.get_input_embeddings().weight.shape[0]
-    if input_ids.is_floating_point() or input_ids.min() < 0 or input_ids.max() >= vocab_size:
-        raise ValueError(f"input_ids must be integer token ids in 0..{vocab_size - 1} (the "
-                         f"target's vocabulary), got {input_ids.dtype} values "
-                         f"{int(input_ids.min())}..{int(input_ids.max())}")
-    if not isinstance(shape, TreeShape):
-        raise ValueError(f"shape must be a TreeShape, got {type(shape).__name__}")
-    _check_temperature(temperature)
-    if shape.lookup and temperature != 0.0:
-        raise ValueError(f"shape.lookup={shape.lookup} needs temperature 0 (greedy): a copied "
-                         f"chain has no draft distribution to rejection-sample against, got "
-                         f"temperature={temperature!r}")
-    draft.check_target(target)
+    _check_spec_inputs(target, draft, input_ids, max_new_tokens, shape, temperature)
     device, eos = input_ids.device, set(int(t) for t in eos_token_ids)
     generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
     clock = SectionClock(device, SECTIONS)

@@ -410,6 +410,48 @@ def _stop_step(segment: Segment, config: TrainConfig, start: int) -> int:
     return stop
 
 
+def _resume(out_dir: Path, config: TrainConfig, digest: str, segment: Segment, draft,
+            optimizer, scheduler) -> tuple[int, list[dict], list[dict]]:
+    """-> (start step, history, eval history): from the latest checkpoint of this config and
+    data in ``out_dir``, else from the segment's starting point, else from scratch."""
+    checkpoint = latest_checkpoint(out_dir, config, digest)
+    if checkpoint is not None:
+        meta = load_checkpoint(checkpoint, draft, optimizer, scheduler)
+        log.info("resuming %s at step %d", out_dir, meta["step"])
+    elif segment.init_from is not None:
+        meta = _start_from(segment, draft, optimizer, scheduler, digest)
+    else:
+        return 0, [], []
+    return meta["step"], meta["history"], meta["eval_history"]
+
+
+def _held_out_row(step: int, history: list[dict], draft, target, config: TrainConfig,
+                  eval_data, eval_fn) -> dict:
+    """One eval-history row at a checkpoint: step, tokens seen, the held-out sequences'
+    per-TTT-step loss / agreement (``evaluate_data``) and ``eval_fn(draft)``'s metrics."""
+    row = {"step": step, "tokens": sum(h["tokens"] for h in history)}
+    if eval_data is not None:
+        row.update(evaluate_data(draft, eval_data, target, config.ttt_steps,
+                                 config.batch_size, config.dtype))
+    row.update(eval_fn(draft) if eval_fn else {})
+    require_finite_metrics(f"held-out evaluation at step {step}", row)
+    return row
+
+
+def _save_finished(out_dir: Path, draft, config: TrainConfig, eval_history: list[dict],
+                   seconds: float, source, eval_store, data: TrainData) -> None:
+    """The finished draft, its eval.csv, and config.json marked complete (written last: a
+    run interrupted before it is resumed, not read as finished)."""
+    draft.save_pretrained(out_dir / "draft")
+    write_history(out_dir / "eval.csv", eval_history)
+    save_config_record(out_dir, config, complete=True, seconds=seconds,
+                       metrics=eval_history[-1] if eval_history else {},
+                       store=str(source.path), store_digest=source.digest,
+                       eval_store_digest=eval_store.digest if eval_store is not None else None,
+                       target=draft.target_identity, n_train_sequences=len(data),
+                       n_train_tokens=data.n_tokens)
+
+
 def _load_finished(out_dir: Path, target) -> TrainResult:
     record = read_record(out_dir / "config.json", "rebuilt from the last checkpoint by train_draft")
     return TrainResult(Eagle3Draft.load(out_dir / "draft", target),
@@ -471,15 +513,8 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
                                 config.eval_sequences) if eval_store is not None else None)
     draft = new_draft(target, data, config).to(accelerator.device)
     optimizer, scheduler = _optimizer(draft, config, segment.lr_schedule)
-    start, history, eval_history = 0, [], []
-    checkpoint = latest_checkpoint(out_dir, config, source.digest)
-    if checkpoint is not None:
-        meta = load_checkpoint(checkpoint, draft, optimizer, scheduler)
-        start, history, eval_history = meta["step"], meta["history"], meta["eval_history"]
-        log.info("resuming %s at step %d", out_dir, start)
-    elif segment.init_from is not None:
-        meta = _start_from(segment, draft, optimizer, scheduler, source.digest)
-        start, history, eval_history = meta["step"], meta["history"], meta["eval_history"]
+    start, history, eval_history = _resume(out_dir, config, source.digest, segment, draft,
+                                           optimizer, scheduler)
     stop = _stop_step(segment, config, start)
     module, optimizer = accelerator.prepare(TTTLoss(draft, config.ttt_steps, config.gamma),
                                             optimizer)
@@ -496,13 +531,8 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
         history.append(history_row(step + 1, output, lr, tokens, time.perf_counter() - tic))
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == stop:
             if eval_data is not None or eval_fn is not None:
-                row = {"step": step + 1, "tokens": sum(h["tokens"] for h in history)}
-                if eval_data is not None:
-                    row.update(evaluate_data(draft, eval_data, target, config.ttt_steps,
-                                             config.batch_size, config.dtype))
-                row.update(eval_fn(draft) if eval_fn else {})
-                require_finite_metrics(f"held-out evaluation at step {step + 1}", row)
-                eval_history.append(row)
+                eval_history.append(_held_out_row(step + 1, history, draft, target, config,
+                                                  eval_data, eval_fn))
             if accelerator.is_main_process:
                 save_checkpoint(out_dir, step + 1, draft, optimizer, scheduler, config, history,
                                 eval_history, source.digest)
@@ -513,13 +543,7 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
     if stop < config.total_steps:  # a segment: checkpointed at stop, not finished
         return TrainResult(draft, history, out_dir, out_dir / "draft", seconds, metrics)
     if accelerator.is_main_process:
-        draft.save_pretrained(out_dir / "draft")
-        write_history(out_dir / "eval.csv", eval_history)
-        save_config_record(out_dir, config, complete=True, seconds=seconds, metrics=metrics,
-                           store=str(source.path), store_digest=source.digest,
-                           eval_store_digest=eval_store.digest if eval_store is not None
-                           else None, target=draft.target_identity,
-                           n_train_sequences=len(data), n_train_tokens=data.n_tokens)
+        _save_finished(out_dir, draft, config, eval_history, seconds, source, eval_store, data)
     accelerator.wait_for_everyone()
     return TrainResult(draft, history, out_dir, out_dir / "draft", seconds, metrics)
 
