@@ -439,13 +439,12 @@ def _held_out_row(step: int, history: list[dict], draft, target, config: TrainCo
 
 
 def _save_finished(out_dir: Path, draft, config: TrainConfig, eval_history: list[dict],
-                   seconds: float, source, eval_store, data: TrainData) -> None:
+                   seconds: float, metrics: dict, source, eval_store, data: TrainData) -> None:
     """The finished draft, its eval.csv, and config.json marked complete (written last: a
     run interrupted before it is resumed, not read as finished)."""
     draft.save_pretrained(out_dir / "draft")
     write_history(out_dir / "eval.csv", eval_history)
-    save_config_record(out_dir, config, complete=True, seconds=seconds,
-                       metrics=eval_history[-1] if eval_history else {},
+    save_config_record(out_dir, config, complete=True, seconds=seconds, metrics=metrics,
                        store=str(source.path), store_digest=source.digest,
                        eval_store_digest=eval_store.digest if eval_store is not None else None,
                        target=draft.target_identity, n_train_sequences=len(data),
@@ -543,7 +542,8 @@ def fit(source, load_data, batch_fn, target, config: TrainConfig, out_dir, progr
     if stop < config.total_steps:  # a segment: checkpointed at stop, not finished
         return TrainResult(draft, history, out_dir, out_dir / "draft", seconds, metrics)
     if accelerator.is_main_process:
-        _save_finished(out_dir, draft, config, eval_history, seconds, source, eval_store, data)
+        _save_finished(out_dir, draft, config, eval_history, seconds, metrics, source,
+                       eval_store, data)
     accelerator.wait_for_everyone()
     return TrainResult(draft, history, out_dir, out_dir / "draft", seconds, metrics)
 
