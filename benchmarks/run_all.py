@@ -32,7 +32,6 @@ from actwave.config import (atomic_write_bytes, atomic_write_json, cache_dir,  #
                             cpu_flags, native_bf16, package_versions, repo_root)
 from actwave.plots import to_markdown  # noqa: E402
 
-NATIVE_BF16 = native_bf16()
 FAST_DTYPE = "bfloat16" if torch.cuda.is_available() else "float32"
 # Arguments per benchmark and size; each bench_<name>.main(argv) returns summary rows.
 SIZES = {
@@ -82,7 +81,7 @@ def run_benchmarks(size: str, names: list[str], drafts: list[str]) -> pd.DataFra
     for name in names:
         argv = list(SIZES[size][name])
         module = name.split("-")[0]
-        if name.endswith("-bf16") and not NATIVE_BF16:
+        if name.endswith("-bf16") and not native_bf16():
             print(f"\n===== {name}: skipped, no native bf16 on this machine ({cpu_flags()})")
             continue
         if module in ("speculative", "round"):

@@ -90,6 +90,7 @@ class DraftBudget:
                            dtype=self.compute_dtype(), eval_sequences=1)
 
     def compute_dtype(self) -> str:
+        """``dtype`` with "auto" resolved for this machine (``native_bf16``)."""
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if native_bf16() else "float32"
