@@ -34,9 +34,10 @@ def table_decimals(block: str) -> list[str]:
 
 
 def committed_values(folder: Path, pattern: str = "*.csv") -> list[float]:
-    """Every number in the folder's tables (cells and CI strings alike)."""
+    """Every number in the folder's tables (cells and CI strings alike); the "-" of a range
+    such as "1.2-1.3" is not a minus sign."""
     return [float(x) for path in sorted(folder.glob(pattern))
-            for x in re.findall(r"-?\d+(?:\.\d+)?(?:e-?\d+)?", path.read_text())]
+            for x in re.findall(r"(?<![\d.])-?\d+(?:\.\d+)?(?:e-?\d+)?", path.read_text())]
 
 
 def unbacked(printed: list[str], values: list[float]) -> list[str]:
