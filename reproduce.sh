@@ -10,7 +10,7 @@
 #       set up .venv, then run the test suite
 #   ./reproduce.sh bench [run_all.py args...]
 #       set up .venv, train (or resume) the benchmark draft on the pooled text, then run every
-#       benchmark into results/benchmarks/ (README: "Benchmarks"; ~3–4 h on 2 idle cores)
+#       benchmark into results/benchmarks/ (docs/BENCHMARKS.md; ~3–4 h on 2 idle cores)
 set -euo pipefail
 cd "$(dirname "$0")"
 
