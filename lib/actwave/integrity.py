@@ -298,6 +298,22 @@ def _describe(holder: dict) -> str:
             else "a writer that has not recorded its pid yet")
 
 
+def is_held(folder: Path | str) -> bool:
+    """Whether a live process holds ``folder``'s ``WriterLock`` (the kernel's lock, probed
+    with a shared non-blocking ``flock`` released at once; no lock file: not held)."""
+    try:
+        fd = os.open(Path(folder) / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe's own lock
+    return False
+
+
 class LockedError(RuntimeError):
     """Another live writer holds an artifact folder's lock."""
 

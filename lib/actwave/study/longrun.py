@@ -65,7 +65,7 @@ from actwave.eagle3.online import OnlineSource
 from actwave.eagle3.schedule import WSDSchedule, cost
 from actwave.eagle3.train import DTYPES as TRAIN_DTYPES
 from actwave.eagle3.train import Segment, TrainConfig
-from actwave.integrity import Between, LockedError, WriterLock, check_fields
+from actwave.integrity import Between, LockedError, WriterLock, check_fields, is_held
 from actwave.study.keysets import (SETS_FILE, key_sets, one_x_tau, pin_sets, pinned_sets,
                                    read_sets)
 from actwave.study.longscore import score
@@ -380,6 +380,12 @@ def claim(run: LongRun, job: Job) -> WriterLock:
                       f"{trunk_key(run, job)}", timeout=0)
 
 
+def live_workers(work_dir: Path) -> int:
+    """How many jobs live workers hold now (``claim``s whose lock a process holds)."""
+    claims = Path(work_dir) / "claims"
+    return sum(is_held(folder) for folder in claims.iterdir()) if claims.is_dir() else 0
+
+
 def results_folder(model: str, study_results: Path | None = None) -> Path:
     """``<study results>/long/<model slug>``: the long runs' records/ folder lives here."""
     from actwave.capture.models import slug
@@ -494,9 +500,12 @@ def main(argv: list[str] | None = None) -> None:
           f"(trunk {steps['trunk']} + decays {steps['branches']}) vs {steps['separate']} for "
           f"separate cosine runs; {len(jobs)} jobs, sets {[s.label for s in sets]}")
     report = status(jobs, results, config.schedule())
-    print(f"done {len(report['done'])}/{len(jobs)} {report['by_budget']}; about "
-          f"{report['remaining_seconds'] / 3600:.1f} h left at {report['seconds_per_step']:.2f}"
-          f" s/step; next {report['missing'][:1]}")
+    hours, workers = report["remaining_seconds"] / 3600, live_workers(work_folder(args.model))
+    # The rate is per worker (each record times its own job), so n workers share the hours.
+    shared = f", ~{hours / workers:.1f} h with the {workers} live workers" if workers > 1 else ""
+    print(f"done {len(report['done'])}/{len(jobs)} {report['by_budget']}; about {hours:.1f} h "
+          f"of one worker left at {report['seconds_per_step']:.2f} s/step{shared}; next "
+          f"{report['missing'][:1]}")
     if args.status:
         return
     deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
