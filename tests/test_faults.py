@@ -23,8 +23,7 @@ from actwave.config import cache_dir
 from actwave.eagle3 import Eagle3Draft
 from actwave.eagle3 import checkpoint as checkpoint_mod
 from actwave.eagle3 import train as train_mod
-from actwave.integrity import IntegrityError, LockedError, WriterLock, bytes_record, is_held
-from actwave.study.longrun import live_workers
+from actwave.integrity import IntegrityError, LockedError, WriterLock, bytes_record
 from actwave.stats import analysis
 
 # The draft vocabulary is the whole target vocabulary: the random target's argmax tokens are
@@ -330,26 +329,6 @@ def test_a_live_holder_is_named_and_a_dead_one_releases_the_lock(tmp_path):
         with pytest.raises(LockedError, match="nested writers"):
             WriterLock(tmp_path, timeout=0).__enter__()
     assert not (tmp_path / ".lock").exists()
-
-
-def test_is_held_and_live_workers_follow_the_kernel_lock(tmp_path):
-    """``longrun --status`` counts workers by their claims' kernel locks: a held claim
-    counts, a dead worker's leftover lock file does not, and probing takes nothing."""
-    claims = tmp_path / "claims"
-    assert live_workers(tmp_path) == 0 and not is_held(claims / "a")  # no folder, no lock file
-    holders = [forked(hold_lock, claims / name, 30.0) for name in ("a", "b")]
-    for name in ("a", "b"):
-        wait_for_lock_record(claims / name / ".lock")
-    assert is_held(claims / "a") and live_workers(tmp_path) == 2
-    holders[0].kill()  # dies holding it: the file stays, the kernel lock goes
-    holders[0].join()
-    assert (claims / "a" / ".lock").exists() and not is_held(claims / "a")
-    assert live_workers(tmp_path) == 1
-    with WriterLock(claims / "a", timeout=0):  # the probe left nothing behind
-        assert is_held(claims / "a") and live_workers(tmp_path) == 2
-    holders[1].kill()
-    holders[1].join()
-    assert live_workers(tmp_path) == 0
 
 
 def test_foreign_records_follow_the_kernel_lock(tmp_path):

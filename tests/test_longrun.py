@@ -17,6 +17,7 @@ from actwave.eagle3 import train as train_mod
 from actwave.eagle3.online import OnlineSource, train_online
 from actwave.eagle3.schedule import WSDSchedule, cost, wsd_factor
 from actwave.eagle3.train import Segment
+from actwave.integrity import WriterLock, is_held
 from actwave.study import keysets, longdecode, longrun, longscore, longtext
 from actwave.study import report as study_report
 from actwave.study import stats as study_stats
@@ -564,3 +565,24 @@ def test_the_worker_decodes_only_the_decoding_seed_at_the_largest_budget(monkeyp
     monkeypatch.setattr(longdecode, "decode_due", fails)  # logged; the worker trains on
     longrun.decode_finished("smollm2-135m", {"label": "a", "seed": 1, "budget": largest}, values,
                             config, tmp_path)
+
+
+def test_is_held_and_live_workers_follow_the_kernel_lock(tmp_path):
+    """``longrun --status`` counts workers by their claims' kernel locks: a held claim
+    counts, a dead worker's leftover lock file does not, and probing takes nothing."""
+    claims = tmp_path / "claims"
+    assert longrun.live_workers(tmp_path) == 0  # no claims folder
+    assert not is_held(claims / "a")  # no lock file
+    holders = [forked(hold_lock, claims / name, 30.0) for name in ("a", "b")]
+    for name in ("a", "b"):
+        wait_for_lock_record(claims / name / ".lock")
+    assert is_held(claims / "a") and longrun.live_workers(tmp_path) == 2
+    holders[0].kill()  # dies holding it: the file stays, the kernel lock goes
+    holders[0].join()
+    assert (claims / "a" / ".lock").exists() and not is_held(claims / "a")
+    assert longrun.live_workers(tmp_path) == 1
+    with WriterLock(claims / "a", timeout=0):  # the probe left nothing behind
+        assert is_held(claims / "a") and longrun.live_workers(tmp_path) == 2
+    holders[1].kill()
+    holders[1].join()
+    assert longrun.live_workers(tmp_path) == 0
