@@ -58,6 +58,12 @@ def test_budget_falls_back_to_the_study_budget_until_rank_stability_exists(tmp_p
     from_table = validate.default_budget("smollm2-135m", STUDY_64, tmp_path)
     assert from_table.steps == 256 and from_table.text == "longrun"  # measured on long runs
     assert validate.default_budget("smollm2-135m", STUDY_64, tmp_path / "none").text == "study"
+    (tmp_path / "12_rank_stability.csv").write_text(  # measured, and no budget predicts
+        "model,train_steps,versus,predicts,seeds\nsmollm2-135m,64,256,,all\n"
+        "smollm2-135m,64,2048,false,all\nsmollm2-135m,1024,2048,false,all\n")
+    largest = validate.default_budget("smollm2-135m", STUDY_64, tmp_path)
+    assert (largest.steps, largest.note, largest.text) == (2048, None, "longrun")
+    assert "no shorter budget's ranking predicts the one at 2048 steps" in largest.source
 
 
 def test_passes_note_warns_only_when_the_budget_repeats_the_text():

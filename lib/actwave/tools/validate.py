@@ -141,8 +141,10 @@ def default_budget(slug: str, profile: dict, results: Path | None = None,
         if found is not None:
             steps, versus = found
             planned = max(build("longrun", parameters(profile), model=slug).budgets)
-            return Budget(steps, f"{table.name} (rank stability: the ranking at {steps} steps "
-                          f"predicts the one at {versus or '?'})",
+            why = (f"no shorter budget's ranking predicts the one at {steps} steps" if
+                   steps == versus else f"the ranking at {steps} steps predicts the one at "
+                   f"{versus or '?'}")
+            return Budget(steps, f"{table.name} (rank stability: {why})",
                           _partial_note(versus, planned), text="longrun")
     return Budget(int(profile["study"]["train"]["total_steps"]), f"study.train.total_steps of "
                   f"profiles/{profile_name}.yaml, the study's per-draft budget", NOT_MEASURED)
@@ -150,17 +152,21 @@ def default_budget(slug: str, profile: dict, results: Path | None = None,
 
 def _stable_steps(table: Path, slug: str) -> tuple[int, int | None] | None:
     """(the smallest ``train_steps`` of ``slug`` whose ranking ``predicts`` the largest
-    budget's, that budget (``versus``; None in a table without it)), or None. Rows of one
-    seed (``seeds`` other than "all": notebook 12's seed-0 rows) are not used."""
+    budget's, that budget (``versus``; None in a table without it)), or None when the table
+    has no rows of ``slug``. Where no budget predicts, (largest, largest): a shorter run is
+    not known to rank like the longest one measured. Rows of one seed (``seeds`` other than
+    "all": notebook 12's seed-0 rows) are not used."""
     with table.open() as f:
         rows = [r for r in csv.DictReader(f) if r.get("model") == slug
-                and r.get("seeds", "all") in ("all", "")
-                and str(r.get("predicts", "")).strip().lower() in ("true", "1", "yes")]
-    if not rows:
-        return None
-    best = min(rows, key=lambda r: int(float(r["train_steps"])))
-    versus = best.get("versus")
-    return int(float(best["train_steps"])), int(float(versus)) if versus else None
+                and r.get("seeds", "all") in ("all", "")]
+    predicting = [r for r in rows if str(r.get("predicts", "")).strip().lower()
+                  in ("true", "1", "yes")]
+    if predicting:
+        best = min(predicting, key=lambda r: int(float(r["train_steps"])))
+        versus = best.get("versus")
+        return int(float(best["train_steps"])), int(float(versus)) if versus else None
+    largest = [int(float(r["versus"])) for r in rows if r.get("versus")]
+    return (max(largest), max(largest)) if largest else None
 
 
 def _partial_note(versus: int | None, planned: int) -> str | None:
