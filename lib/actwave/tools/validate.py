@@ -131,9 +131,9 @@ def default_budget(slug: str, profile: dict, results: Path | None = None,
 
     Looked up in the study's rank-stability table (``results/study/*rank_stability*.csv``,
     columns ``model``, ``train_steps``, ``predicts``: the smallest ``train_steps`` whose
-    ``predicts`` is true for this model). Until that table exists, the study profile's
-    per-draft budget (``study.train.total_steps`` of ``profile``) with ``NOT_MEASURED`` as the
-    note.
+    ``predicts`` is true for this model; the largest budget measured when none is). Until
+    that table exists, the study profile's per-draft budget (``study.train.total_steps`` of
+    ``profile``) with ``NOT_MEASURED`` as the note.
     """
     results = Path(results or results_dir(STUDY_PROFILE))
     for table in sorted(results.glob(RANK_STABILITY_GLOB)):
