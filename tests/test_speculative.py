@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 from transformers import DynamicCache
 
 from actwave.decoding.costmodel import CostCurve, auto_shape
+from actwave.decoding import evaluate as harness
 from actwave.decoding.evaluate import EvalConfig, build_methods, evaluate, run_item
 from actwave.decoding.report import (acceptance_by_position, bootstrap_ci, read_selection_scores,
                                      summarize, tau_vs_scores)
@@ -447,6 +448,31 @@ def test_run_item_second_turn_sees_greedy_answer(llama):
     answer = StubTokenizer().decode(records[0]["tokens"])
     expected_turn2 = len("u:hi|a:" + answer + "|u:more|a:")
     assert records[2]["prompt_tokens"] == expected_turn2
+
+
+def _busy(seconds: float) -> None:
+    """Spend CPU time (a method computing), unlike time.sleep (a stopped process)."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+@pytest.mark.parametrize("stops, calls", [(0, 1), (1, 2), (5, 3)])
+def test_a_measurement_the_process_slept_through_is_timed_again(monkeypatch, stops, calls):
+    """A stop (SIGSTOP, a suspended machine) looks like time.sleep: wall time, no CPU time.
+    Such a measurement is retaken, at most STALL_RETRIES times; a computing one is kept."""
+    monkeypatch.setattr(harness, "STALL_MIN_SECONDS", 0.05)
+    made = []
+
+    def method(input_ids):
+        made.append(1)
+        time.sleep(0.2) if len(made) <= stops else _busy(0.02)
+        return {"tokens": [1]}
+
+    out = harness._timed(method, torch.zeros(1, 1, dtype=torch.long))
+    assert len(made) == calls
+    assert (out["seconds"] >= 0.2) == (stops >= calls)
+    assert not harness.stalled(0.2, 0.0, torch.device("meta"))  # only CPU targets are checked
 
 
 def test_tau_vs_scores_reads_selection_csv_and_ranks(tmp_path):

@@ -169,13 +169,37 @@ def build_methods(target, drafts: dict, config: EvalConfig, eos: list[int]) -> d
     return methods
 
 
+# A process stopped mid-measurement (SIGSTOP to pause a worker, a suspended laptop, a
+# preempted VM) keeps the wall clock running but spends no CPU time: its seconds measure the
+# stop, not the method. A method on a CPU target computes all along, so CPU time under
+# STALL_SHARE of the wall time marks a stop (one thread beside two busy processes on two
+# cores still gets ~2/3); the method is timed again (its tokens are deterministic).
+STALL_SHARE = 0.25
+STALL_MIN_SECONDS = 1.0
+STALL_RETRIES = 2
+
+
+def stalled(wall_seconds: float, cpu_seconds: float, device: torch.device) -> bool:
+    """Whether a CPU measurement spent most of its wall time stopped (see STALL_SHARE)."""
+    return (device.type == "cpu" and wall_seconds > STALL_MIN_SECONDS
+            and cpu_seconds < STALL_SHARE * wall_seconds)
+
+
 def _timed(method: Method, input_ids: torch.Tensor) -> dict:
-    """Run one method; wall-clock seconds with CUDA work synchronised."""
-    synchronize(input_ids.device)
-    began = time.perf_counter()
-    out = method(input_ids)
-    synchronize(input_ids.device)
-    return {**out, "seconds": time.perf_counter() - began}
+    """Run one method; wall-clock seconds with CUDA work synchronised, timed again when the
+    process was stopped during the measurement (``stalled``)."""
+    for attempt in range(STALL_RETRIES + 1):
+        synchronize(input_ids.device)
+        began, cpu_began = time.perf_counter(), time.process_time()
+        out = method(input_ids)
+        synchronize(input_ids.device)
+        wall, cpu = time.perf_counter() - began, time.process_time() - cpu_began
+        if not stalled(wall, cpu, input_ids.device):
+            break
+        log.warning("a measurement spent %.1f s of wall time on %.1f s of CPU time (the "
+                    "process was stopped?); %s", wall, cpu,
+                    "timing it again" if attempt < STALL_RETRIES else "keeping it")
+    return {**out, "seconds": wall}
 
 
 def _record(item: dict, turn: int, method: str, prompt: list[int], out: dict,
