@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 from transformers import DynamicCache
 
 from actwave.decoding.costmodel import CostCurve, auto_shape
-from actwave.decoding import evaluate as harness
+from actwave.decoding import evaluate as harness, timing
 from actwave.decoding.evaluate import EvalConfig, build_methods, evaluate, run_item
 from actwave.decoding.report import (acceptance_by_position, bootstrap_ci, read_selection_scores,
                                      summarize, tau_vs_scores)
@@ -461,7 +461,7 @@ def _busy(seconds: float) -> None:
 def test_a_measurement_the_process_slept_through_is_timed_again(monkeypatch, stops, calls):
     """A stop (SIGSTOP, a suspended machine) looks like time.sleep: wall time, no CPU time.
     Such a measurement is retaken, at most STALL_RETRIES times; a computing one is kept."""
-    monkeypatch.setattr(harness, "STALL_MIN_SECONDS", 0.05)
+    monkeypatch.setattr(timing, "STALL_MIN_SECONDS", 0.05)
     made = []
 
     def method(input_ids):
@@ -472,7 +472,7 @@ def test_a_measurement_the_process_slept_through_is_timed_again(monkeypatch, sto
     out = harness._timed(method, torch.zeros(1, 1, dtype=torch.long))
     assert len(made) == calls
     assert (out["seconds"] >= 0.2) == (stops >= calls)
-    assert not harness.stalled(0.2, 0.0, torch.device("meta"))  # only CPU targets are checked
+    assert not timing.stalled(0.2, 0.0, torch.device("meta"))  # only CPU targets are checked
 
 
 def test_tau_vs_scores_reads_selection_csv_and_ranks(tmp_path):

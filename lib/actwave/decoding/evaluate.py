@@ -43,7 +43,7 @@ from actwave.capture.models import DTYPES
 from actwave.config import atomic_write_bytes, cache_dir, config_hash, package_versions
 from actwave.decoding.report import GREEDY, acceptance_by_position, summarize
 from actwave.decoding.speculative import generate, greedy_generate
-from actwave.decoding.timing import synchronize
+from actwave.decoding.timing import STALL_RETRIES, stalled, synchronize
 from actwave.decoding.tree import MODES, TreeShape
 from actwave.eagle3 import Eagle3Draft
 from actwave.integrity import (Between, IntegrityError, WriterLock, bytes_record, check_fields,
@@ -167,22 +167,6 @@ def build_methods(target, drafts: dict, config: EvalConfig, eos: list[int]) -> d
             raise ValueError(f"draft label {label!r} clashes with a built-in method name")
         methods[label] = _draft_method(target, draft, config, eos)
     return methods
-
-
-# A process stopped mid-measurement (SIGSTOP to pause a worker, a suspended laptop, a
-# preempted VM) keeps the wall clock running but spends no CPU time: its seconds measure the
-# stop, not the method. A method on a CPU target computes all along, so CPU time under
-# STALL_SHARE of the wall time marks a stop (one thread beside two busy processes on two
-# cores still gets ~2/3); the method is timed again (its tokens are deterministic).
-STALL_SHARE = 0.25
-STALL_MIN_SECONDS = 1.0
-STALL_RETRIES = 2
-
-
-def stalled(wall_seconds: float, cpu_seconds: float, device: torch.device) -> bool:
-    """Whether a CPU measurement spent most of its wall time stopped (see STALL_SHARE)."""
-    return (device.type == "cpu" and wall_seconds > STALL_MIN_SECONDS
-            and cpu_seconds < STALL_SHARE * wall_seconds)
 
 
 def _timed(method: Method, input_ids: torch.Tensor) -> dict:

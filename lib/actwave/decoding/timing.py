@@ -18,6 +18,23 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+# A process stopped mid-measurement (SIGSTOP to pause a worker, a suspended laptop, a
+# preempted VM) keeps the wall clock running but spends no CPU time: its seconds measure the
+# stop, not the method. A method on a CPU target computes all along, so CPU time under
+# STALL_SHARE of the wall time marks a stop (one thread beside two busy processes on two
+# cores still gets ~2/3); the caller times it again (``evaluate._timed``: tokens are
+# deterministic, only the time changes).
+STALL_SHARE = 0.25
+STALL_MIN_SECONDS = 1.0
+STALL_RETRIES = 2
+
+
+def stalled(wall_seconds: float, cpu_seconds: float, device: torch.device) -> bool:
+    """Whether a CPU measurement spent most of its wall time stopped (see STALL_SHARE)."""
+    return (device.type == "cpu" and wall_seconds > STALL_MIN_SECONDS
+            and cpu_seconds < STALL_SHARE * wall_seconds)
+
+
 class SectionClock:
     """Seconds per named section of a loop, plus the total since construction.
 
