@@ -244,8 +244,8 @@ def rank_vs_largest(records: list[dict], n_permutations: int = 10000, seed: int 
     """Does the ranking at a budget predict the ranking at the largest one? Per smaller
     budget: Spearman ρ and Kendall τ_b (permutation p) between the sets' mean τ̂ there and at
     the largest complete budget (``complete_budgets``); ``predicts`` when ρ > 0 with
-    p < ``alpha``. The smallest budget that predicts is the budget a short validation can use
-    (``actwave.tools.validate``).
+    p < ``alpha``. The smallest budget from which every budget predicts is the one a short
+    validation can use (``actwave.tools.validate``).
 
     -> rows {"budget", "versus" (the largest budget), "n", "spearman", "spearman_p",
     "kendall", "kendall_p", "predicts"}.

@@ -15,7 +15,7 @@ candidates at family-wise level α (default 0.05): with m candidates not yet rej
 candidate whose lower bound at level 1 − α/m is > 0 is rejected (better than the default) and
 m shrinks, until none is. Among the candidates found better, the largest Δτ̂ is recommended.
 
-Budget (``default_budget``): the steps at which the study's short-run ranking predicts its
+Budget (``default_budget``): the steps from which the study's short-run rankings predict its
 long-run one, read from a rank-stability table once the study has one; until then the study
 profile's per-draft budget, and the output says the short-run ranking may not predict trained
 drafts (``NOT_MEASURED``). Text (``--validate-text``): a budget from the long runs' table is
@@ -130,8 +130,9 @@ def default_budget(slug: str, profile: dict, results: Path | None = None,
     """The budget at which short-run rankings predict long-run ones, for model ``slug``.
 
     Looked up in the study's rank-stability table (``results/study/*rank_stability*.csv``,
-    columns ``model``, ``train_steps``, ``predicts``: the smallest ``train_steps`` whose
-    ``predicts`` is true for this model; the largest budget measured when none is). Until
+    columns ``model``, ``train_steps``, ``predicts``: the smallest ``train_steps`` of this
+    model from which every budget's ``predicts`` is true; the largest budget measured when the
+    longest shorter one's is not). Until
     that table exists, the study profile's per-draft budget (``study.train.total_steps`` of
     ``profile``) with ``NOT_MEASURED`` as the note.
     """
@@ -151,18 +152,24 @@ def default_budget(slug: str, profile: dict, results: Path | None = None,
 
 
 def _stable_steps(table: Path, slug: str) -> tuple[int, int | None] | None:
-    """(the smallest ``train_steps`` of ``slug`` whose ranking ``predicts`` the largest
-    budget's, that budget (``versus``; None in a table without it)), or None when the table
-    has no rows of ``slug``. Where no budget predicts, (largest, largest): a shorter run is
-    not known to rank like the longest one measured. Rows of one seed (``seeds`` other than
-    "all": notebook 12's seed-0 rows) are not used."""
+    """(the smallest ``train_steps`` of ``slug`` from which every budget's ranking
+    ``predicts`` the largest budget's, that budget (``versus``; None in a table without it)),
+    or None when the table has no rows of ``slug``. A short budget that predicts while a
+    longer one does not (a chance agreement of six sets) is not taken: rankings have not
+    settled there. Where the longest shorter budget does not predict, (largest, largest): a
+    shorter run is not known to rank like the longest one measured. Rows of one seed
+    (``seeds`` other than "all": notebook 12's seed-0 rows) are not used."""
     with table.open() as f:
         rows = [r for r in csv.DictReader(f) if r.get("model") == slug
                 and r.get("seeds", "all") in ("all", "")]
-    predicting = [r for r in rows if str(r.get("predicts", "")).strip().lower()
-                  in ("true", "1", "yes")]
-    if predicting:
-        best = min(predicting, key=lambda r: int(float(r["train_steps"])))
+    verdicts = [r for r in rows if str(r.get("predicts", "")).strip()]  # not "next budget"
+    settled = []
+    for row in sorted(verdicts, key=lambda r: int(float(r["train_steps"])), reverse=True):
+        if str(row["predicts"]).strip().lower() not in ("true", "1", "yes"):
+            break
+        settled.append(row)
+    if settled:
+        best = settled[-1]
         versus = best.get("versus")
         return int(float(best["train_steps"])), int(float(versus)) if versus else None
     largest = [int(float(r["versus"])) for r in rows if r.get("versus")]
