@@ -63,7 +63,7 @@ def test_budget_falls_back_to_the_study_budget_until_rank_stability_exists(tmp_p
         "smollm2-135m,64,2048,false,all\nsmollm2-135m,1024,2048,false,all\n")
     largest = validate.default_budget("smollm2-135m", STUDY_64, tmp_path)
     assert (largest.steps, largest.note, largest.text) == (2048, None, "longrun")
-    assert "no shorter budget's ranking predicts the one at 2048 steps" in largest.source
+    assert "the next shorter budget's ranking does not predict the one at 2048" in largest.source
     (tmp_path / "12_rank_stability.csv").write_text(  # 64 predicts by chance, 256 does not
         "model,train_steps,versus,predicts,seeds\ngemma3-270m,64,2048,true,all\n"
         "gemma3-270m,256,2048,false,all\ngemma3-270m,1024,2048,true,all\n")

@@ -142,7 +142,7 @@ def default_budget(slug: str, profile: dict, results: Path | None = None,
         if found is not None:
             steps, versus = found
             planned = max(build("longrun", parameters(profile), model=slug).budgets)
-            why = (f"no shorter budget's ranking predicts the one at {steps} steps" if
+            why = (f"the next shorter budget's ranking does not predict the one at {steps} steps" if
                    steps == versus else f"the ranking at {steps} steps predicts the one at "
                    f"{versus or '?'}")
             return Budget(steps, f"{table.name} (rank stability: {why})",
